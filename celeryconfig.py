@@ -1,0 +1,60 @@
+"""Celery configuration, derived from the validated ``REAPER_*`` settings.
+
+Loaded by ``reaper.celery_app``; an invalid environment stops the worker here,
+with one line naming the variable.
+"""
+
+from reaper.config import get_settings
+
+_settings = get_settings()
+_interval = _settings.polling_interval.total_seconds()
+_lock_ttl = _settings.lock_ttl.total_seconds()
+
+broker_url = _settings.broker_url
+broker_connection_retry_on_startup = True
+broker_transport_options = {
+    # Above queue wait + the longest time limit; a redelivered reap is harmless.
+    "visibility_timeout": 3600,
+    **({"global_keyprefix": _settings.broker_key_prefix} if _settings.broker_key_prefix else {}),
+}
+
+# Redis is the broker and nothing else: no result backend, no state.
+result_backend = None
+task_ignore_result = True
+
+# JSON only: a pickled message is rejected, never deserialised.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+event_serializer = "json"
+
+# Flower follows tasks through events.
+worker_send_task_events = True
+task_send_sent_event = True
+
+worker_prefetch_multiplier = 1
+worker_hijack_root_logger = False
+timezone = "UTC"
+enable_utc = True
+
+task_default_queue = "reaper"
+task_routes = {
+    "reaper.reap": {"queue": "reaper"},
+    "reaper.reap_phase": {"queue": "reaper"},
+}
+
+task_annotations = {
+    # A phase ends itself at the cycle's deadline; these bound a stuck one.
+    # statement_timeout (MaxRunDuration) fires well before the soft limit.
+    "reaper.reap_phase": {"soft_time_limit": _lock_ttl, "time_limit": _lock_ttl + 15},
+    "reaper.reap": {"soft_time_limit": 30, "time_limit": 45},
+}
+
+beat_schedule = {
+    "reap": {
+        "task": "reaper.reap",
+        "schedule": _interval,
+        # A tick nobody picked up in time is dropped, never replayed in a burst.
+        "options": {"expires": max(1.0, _interval * 0.9)},
+    },
+}

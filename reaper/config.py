@@ -1,0 +1,141 @@
+"""Validated configuration from the ``REAPER_*`` environment (CONTRACT §3).
+
+Every process (worker, beat, CLI) calls :func:`get_settings` once at start; an
+invalid value stops it with a single line naming the variable and the rule.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from datetime import timedelta
+from functools import lru_cache
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "REAPER_"
+
+
+_SECONDS = re.compile(r"[+-]?\d+(\.\d+)?")
+_DURATION_RULE = "must be seconds (90) or an ISO 8601 duration (PT90S)"
+
+
+def _duration(value: object) -> object:
+    """Accept seconds or ISO 8601 only; pydantic alone would also take 'HH:MM:SS'."""
+    if isinstance(value, str):
+        text = value.strip()
+        if _SECONDS.fullmatch(text):
+            return float(text)
+        if not text.upper().startswith(("P", "-P", "+P")):
+            raise ValueError(_DURATION_RULE)
+        return text
+    return value
+
+
+def _positive(value: timedelta) -> timedelta:
+    if value <= timedelta(0):
+        raise ValueError("must be a positive duration (seconds like 90, or ISO 8601 like PT90S)")
+    return value
+
+
+def _url(*schemes: str):
+    def check(value: str) -> str:
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as exc:
+            raise ValueError(f"is not a valid URL ({exc})") from None
+        if parts.scheme not in schemes or not parts.hostname:
+            raise ValueError(f"must be a URL with a host and scheme {' or '.join(schemes)}")
+        return value
+
+    return check
+
+
+def _bootstrap(value: str) -> str:
+    servers = [s.strip() for s in value.split(",") if s.strip()]
+    if not servers:
+        raise ValueError("must list at least one host:port")
+    for server in servers:
+        host, _, port = server.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"must be host:port[,host:port...] (bad entry {server!r})")
+    return ",".join(servers)
+
+
+Duration = Annotated[timedelta, BeforeValidator(_duration), AfterValidator(_positive)]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    database_url: Annotated[str, AfterValidator(_url("postgresql", "postgresql+psycopg2"))] = (
+        "postgresql+psycopg2://postgres@127.0.0.1:5432/reaper"
+    )
+    broker_url: Annotated[str, AfterValidator(_url("redis", "rediss"))] = "redis://127.0.0.1:6379/0"
+    # Prefixes every Redis key of the broker: lets several deployments (or test
+    # sessions) share one Redis without seeing each other's queues.
+    broker_key_prefix: str = ""
+    kafka_bootstrap_servers: Annotated[str, AfterValidator(_bootstrap)] = "127.0.0.1:9092"
+    conference_ended_topic: str = Field("pin.messenger.conference-ended.v1", min_length=1)
+    polling_interval: Duration = timedelta(seconds=30)
+    empty_room_grace: Duration = timedelta(seconds=90)
+    provision_timeout: Duration = timedelta(seconds=120)
+    stale_live_timeout: Duration = timedelta(hours=4)
+    batch_size: int = Field(100, ge=1, le=10_000)
+    lock_ttl: Duration = timedelta(seconds=120)
+    max_run_duration: Duration = timedelta(seconds=30)
+    recorder_url: Annotated[str, AfterValidator(_url("http", "https"))] | None = None
+    recorder_timeout: Duration = timedelta(seconds=2)
+    metrics_port: int = Field(9808, ge=0, le=65535)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Settings:
+        if self.empty_room_grace >= self.stale_live_timeout:
+            raise ValueError(
+                "REAPER_EMPTY_ROOM_GRACE: must be below REAPER_STALE_LIVE_TIMEOUT "
+                f"({self.empty_room_grace} >= {self.stale_live_timeout})"
+            )
+        if self.lock_ttl <= self.max_run_duration:
+            raise ValueError(
+                "REAPER_LOCK_TTL: must be above REAPER_MAX_RUN_DURATION "
+                f"({self.lock_ttl} <= {self.max_run_duration})"
+            )
+        return self
+
+
+class ConfigError(Exception):
+    """A configuration problem, phrased as one line for the operator."""
+
+
+def describe(error: ValidationError) -> str:
+    """One line per problem: ``REAPER_X: rule (got 'value')``."""
+    lines = []
+    for item in error.errors():
+        message = str(item["msg"]).removeprefix("Value error, ")
+        if not item["loc"]:  # model-level rule, already names its variables
+            lines.append(message)
+            continue
+        name = ENV_PREFIX + str(item["loc"][0]).upper()
+        lines.append(f"{name}: {message} (got {item['input']!r})")
+    return "; ".join(lines)
+
+
+def load_settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {describe(exc)}") from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings; exits with one clear line when they are invalid."""
+    try:
+        return load_settings()
+    except ConfigError as exc:
+        print(f"reaper: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,274 @@
+"""One reap cycle: the three phases in order under the single-runner lock.
+
+:class:`Reaper` is the whole engine and knows nothing of Celery: the CLI runs a
+cycle in-process with :meth:`Reaper.run_cycle`, the Celery tasks run
+:meth:`Reaper.start`, :meth:`Reaper.run_phase` (one task per phase) and
+:meth:`Reaper.finish`, carrying :class:`Cycle` between them as JSON.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from reaper.config import Settings
+from reaper.db import engine_for
+from reaper.lock import millis, run_lock
+from reaper.logs import get_logger, log
+from reaper.phases import ORDER, PHASES, BatchOutcome, Phase, reap_batch
+from reaper.queries import Queries
+from reaper.recorder import RecorderClient
+
+logger = get_logger("cycle")
+
+COUNT_KEYS = (
+    "empty_timeout_count",
+    "provision_failed_count",
+    "stale_timeout_count",
+    "skipped_locked_count",
+    "failed_count",
+)
+RESULT_KEYS = ("run_id", "as_of", "skipped", *COUNT_KEYS, "duration_ms")
+
+Clock = Callable[[], datetime]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def parse_time(value: str | datetime) -> datetime:
+    """RFC 3339 to an aware datetime; a naive value is taken as UTC."""
+    parsed = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def rfc3339(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class Cycle:
+    """A cycle's identity and running totals, carried from phase to phase."""
+
+    run_id: str
+    as_of: datetime
+    started_at: datetime
+    deadline: datetime
+    skipped: bool = False
+    errors: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
+    # Poison rows are left out for the rest of the cycle, in every phase.
+    excluded: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for key in ("as_of", "started_at", "deadline"):
+            data[key] = rfc3339(data[key])
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Cycle:
+        values = dict(data)
+        for key in ("as_of", "started_at", "deadline"):
+            values[key] = parse_time(values[key])
+        return cls(**values)
+
+    def result(self, now: datetime) -> dict[str, Any]:
+        """The contract's result: exactly RESULT_KEYS."""
+        duration = max(0, round((now - self.started_at).total_seconds() * 1000))
+        return {
+            "run_id": self.run_id,
+            "as_of": rfc3339(self.as_of),
+            "skipped": self.skipped,
+            **self.counts,
+            "duration_ms": duration,
+        }
+
+
+class Reaper:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        engine: Engine | None = None,
+        recorder: RecorderClient | None = None,
+        clock: Clock = utcnow,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine or engine_for(settings.database_url)
+        if recorder is None and settings.recorder_url:
+            recorder = RecorderClient(settings.recorder_url, settings.recorder_timeout)
+        self.recorder = recorder
+        self.clock = clock
+        self.stop_event = stop_event or threading.Event()
+
+    # -- the cycle ---------------------------------------------------------
+
+    def start(self, as_of: datetime | str | None = None, run_id: str | None = None) -> Cycle:
+        now = self.clock()
+        cycle = Cycle(
+            run_id=run_id or str(uuid.uuid4()),
+            as_of=parse_time(as_of) if as_of else now,
+            started_at=now,
+            deadline=now + self.settings.max_run_duration,
+        )
+        log(logger, "cycle.started", run_id=cycle.run_id, as_of=rfc3339(cycle.as_of))
+        return cycle
+
+    def lock_holder(self) -> int | None:
+        """Try the lock for an instant: the holder's pid, or None when free."""
+        with run_lock(self.engine, self.settings.lock_ttl) as holder:
+            return holder
+
+    def skip(self, cycle: Cycle, holder: int | None, phase: str | None = None) -> Cycle:
+        cycle.skipped = True
+        log(
+            logger,
+            "cycle.skipped",
+            run_id=cycle.run_id,
+            phase=phase,
+            reason="the single-runner lock is held by another session",
+            holder_pid=holder,
+        )
+        return cycle
+
+    def finish(self, cycle: Cycle) -> dict[str, Any]:
+        result = cycle.result(self.clock())
+        log(logger, "cycle.completed", **result, errors=cycle.errors)
+        return result
+
+    def run_cycle(
+        self, as_of: datetime | str | None = None, run_id: str | None = None
+    ) -> dict[str, Any]:
+        """A whole cycle in this process (``reaper reap --once``)."""
+        cycle = self.start(as_of, run_id)
+        for name in ORDER:
+            self.run_phase(name, cycle)
+        return self.finish(cycle)
+
+    # -- one phase ---------------------------------------------------------
+
+    def run_phase(self, name: str, cycle: Cycle) -> Cycle:
+        """Batches of one phase until one comes back short or the cycle's time is spent.
+
+        A phase always runs at least one batch, so a large backlog in one phase
+        never starves the next. A database failure rolls back the batch in
+        flight and ends the phase; the next cycle retries.
+        """
+        phase = PHASES[name]
+        try:
+            with run_lock(self.engine, self.settings.lock_ttl) as holder:
+                if holder is not None:
+                    return self.skip(cycle, holder, phase.name)
+                self._drain(phase, cycle)
+        except SQLAlchemyError as exc:
+            cycle.errors += 1
+            log(
+                logger,
+                "phase.failed",
+                level=40,
+                run_id=cycle.run_id,
+                phase=phase.name,
+                error=type(exc).__name__,
+                detail=str(getattr(exc, "orig", exc)).strip().splitlines()[0][:300],
+            )
+        return cycle
+
+    def _drain(self, phase: Phase, cycle: Cycle) -> None:
+        locked: set[str] = set()
+        batches = 0
+        while True:
+            outcome = self._batch(phase, cycle)
+            batches += 1
+            locked.update(outcome.locked)
+            self._after_commit(outcome)
+            short = outcome.claimed < self.settings.batch_size
+            if short or self.clock() >= cycle.deadline or self.stop_event.is_set():
+                break
+        cycle.counts["skipped_locked_count"] += len(locked)
+        log(
+            logger,
+            "phase.completed",
+            run_id=cycle.run_id,
+            phase=phase.name,
+            batches=batches,
+            reaped=cycle.counts[phase.count_key],
+            skipped_locked=len(locked),
+            drained=short,
+        )
+
+    def _batch(self, phase: Phase, cycle: Cycle) -> BatchOutcome:
+        with self.engine.begin() as conn:
+            queries = Queries(conn)
+            queries.bound_transaction(
+                idle_ms=millis(self.settings.lock_ttl),
+                statement_ms=millis(self.settings.max_run_duration),
+            )
+            outcome = reap_batch(
+                queries,
+                phase,
+                self.settings,
+                as_of=cycle.as_of,
+                run_id=cycle.run_id,
+                excluded=cycle.excluded,
+            )
+        # committed: now it may be told
+        cycle.counts[phase.count_key] += len(outcome.reaped)
+        cycle.counts["failed_count"] += len(outcome.poison)
+        cycle.excluded.extend(p.conference_id for p in outcome.poison)
+        log(
+            logger,
+            "batch.selected",
+            run_id=cycle.run_id,
+            phase=phase.name,
+            count=outcome.claimed,
+            reaped=len(outcome.reaped),
+            failed=len(outcome.poison),
+            skipped_locked=len(outcome.locked),
+        )
+        for item in outcome.reaped:
+            log(
+                logger,
+                "conference.reaped",
+                run_id=cycle.run_id,
+                phase=phase.name,
+                conference_id=item.conference_id,
+                chat_id=item.chat_id,
+                deal_id=item.deal_id,
+                status=phase.status,
+                end_reason=phase.end_reason,
+                duration_seconds=item.duration_seconds,
+            )
+        for item in outcome.poison:
+            log(
+                logger,
+                "item.failed",
+                level=40,
+                run_id=cycle.run_id,
+                phase=phase.name,
+                conference_id=item.conference_id,
+                error=item.reason,
+            )
+        return outcome
+
+    def _after_commit(self, outcome: BatchOutcome) -> None:
+        if not outcome.stops or self.recorder is None:
+            return
+        done = self.recorder.stop_all(outcome.stops)
+        if done:
+            try:
+                with self.engine.begin() as conn:
+                    Queries(conn).mark_stop_requested(
+                        [stop.recording_id for stop in done], self.clock()
+                    )
+            except SQLAlchemyError as exc:  # best effort: the signal itself went out
+                log(logger, "recorder.mark_failed", level=30, error=type(exc).__name__)

@@ -1,0 +1,71 @@
+"""Engine, schema migration and database creation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, make_url, text
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+
+_engines: dict[str, Engine] = {}
+
+
+def engine_for(url: str) -> Engine:
+    """One pooled engine per URL and process (re-created after a fork, see celery_app)."""
+    engine = _engines.get(url)
+    if engine is None:
+        engine = create_engine(
+            url,
+            pool_size=4,
+            max_overflow=4,
+            pool_pre_ping=True,
+            pool_reset_on_return="rollback",
+            connect_args={"application_name": "conference-room-reaper"},
+        )
+        _engines[url] = engine
+    return engine
+
+
+def dispose_engines(close: bool = True) -> None:
+    for engine in _engines.values():
+        engine.dispose(close=close)
+    if close:
+        _engines.clear()
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    # ConfigParser interpolation: a literal % in a password must be doubled.
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def ensure_database(url: str) -> bool:
+    """Create the URL's database when it does not exist; True if it was created."""
+    target = make_url(url)
+    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            exists = conn.execute(
+                text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": target.database}
+            ).scalar()
+            if exists:
+                return False
+            quoted = conn.dialect.identifier_preparer.quote(target.database)
+            conn.exec_driver_sql(f"CREATE DATABASE {quoted}")
+            return True
+    finally:
+        admin.dispose()
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    ensure_database(url)
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    command.downgrade(alembic_config(url), revision)

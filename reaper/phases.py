@@ -1,0 +1,112 @@
+"""The three phases (CONTRACT §5): what each selects, what it becomes.
+
+One call to :func:`reap_batch` is one set-based statement inside the caller's
+transaction; it returns what happened to each row it looked at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from reaper.config import Settings
+from reaper.queries import Queries
+from reaper.recorder import StopRequest
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    outcome: str  # metrics label of items_total
+    count_key: str  # key of the cycle result
+    status: str
+    end_reason: str
+
+    def window(self, settings: Settings) -> timedelta:
+        return {
+            "empty_room": settings.empty_room_grace,
+            "provision_timeout": settings.provision_timeout,
+            "stale_live": settings.stale_live_timeout,
+        }[self.name]
+
+    def cutoff(self, settings: Settings, as_of: datetime) -> datetime:
+        return as_of - self.window(settings)
+
+
+EMPTY_ROOM = Phase("empty_room", "empty_timeout", "empty_timeout_count", "Ended", "EmptyTimeout")
+PROVISION_TIMEOUT = Phase(
+    "provision_timeout", "provision_failed", "provision_failed_count", "Failed", "Error"
+)
+STALE_LIVE = Phase("stale_live", "stale_timeout", "stale_timeout_count", "Ended", "Timeout")
+
+# A transition is terminal, so a room closed by an earlier phase is invisible to
+# the later ones; this order is the spec's.
+PHASES: dict[str, Phase] = {p.name: p for p in (EMPTY_ROOM, PROVISION_TIMEOUT, STALE_LIVE)}
+ORDER: tuple[str, ...] = tuple(PHASES)
+
+
+@dataclass(frozen=True)
+class Reaped:
+    conference_id: str
+    chat_id: str
+    deal_id: str
+    duration_seconds: int | None
+
+
+@dataclass(frozen=True)
+class Poison:
+    conference_id: str
+    reason: str
+
+
+@dataclass
+class BatchOutcome:
+    reaped: list[Reaped] = field(default_factory=list)
+    poison: list[Poison] = field(default_factory=list)
+    locked: list[str] = field(default_factory=list)
+    stops: list[StopRequest] = field(default_factory=list)
+
+    @property
+    def claimed(self) -> int:
+        return len(self.reaped) + len(self.poison)
+
+
+def reap_batch(
+    queries: Queries,
+    phase: Phase,
+    settings: Settings,
+    *,
+    as_of: datetime,
+    run_id: str,
+    excluded: list[str],
+) -> BatchOutcome:
+    common = {
+        "as_of": as_of,
+        "cutoff": phase.cutoff(settings, as_of),
+        "batch_size": settings.batch_size,
+        "excluded": excluded,
+    }
+    if phase is PROVISION_TIMEOUT:
+        rows = queries.fail_provisioning_batch(**common)
+    else:
+        rows = queries.end_active_batch(
+            **common,
+            require_empty=phase is EMPTY_ROOM,
+            end_reason=phase.end_reason,
+            run_id=run_id,
+            topic=settings.conference_ended_topic,
+        )
+    outcome = BatchOutcome()
+    for row in rows:
+        conference_id = str(row.conference_id)
+        if row.kind == "reaped":
+            outcome.reaped.append(
+                Reaped(conference_id, str(row.chat_id), str(row.deal_id), row.duration_seconds)
+            )
+        elif row.kind == "poison":
+            outcome.poison.append(Poison(conference_id, row.detail))
+        elif row.kind == "locked":
+            outcome.locked.append(conference_id)
+        else:
+            outcome.stops.append(StopRequest(row.detail, conference_id, phase.end_reason))
+    return outcome

@@ -1,0 +1,100 @@
+"""Named SQL queries (``sql/queries.sql``) and one method per query.
+
+The SQL lives in one file, loaded once; Python only binds parameters and
+reads rows, so a reader finds every statement the reaper runs in one place.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Row, TextClause, text
+
+QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
+_HEADER = re.compile(r"^-- name: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
+
+
+def parse(source: str) -> dict[str, str]:
+    """Split a ``-- name: x`` annotated file into ``{name: sql}``."""
+    headers = list(_HEADER.finditer(source))
+    queries: dict[str, str] = {}
+    for header, following in zip(headers, [*headers[1:], None], strict=True):
+        end = following.start() if following else len(source)
+        name = header["name"]
+        if name in queries:
+            raise ValueError(f"query {name!r} is defined twice in {QUERIES_FILE.name}")
+        queries[name] = source[header.end() : end].strip()
+    return queries
+
+
+@cache
+def load() -> dict[str, TextClause]:
+    return {name: text(sql) for name, sql in parse(QUERIES_FILE.read_text()).items()}
+
+
+def _run(conn: Connection, name: str, **params: Any):
+    return conn.execute(load()[name], params)
+
+
+class Queries:
+    """Thin manager over one connection: one method per named query."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def try_run_lock(self) -> bool:
+        return bool(_run(self.conn, "try_run_lock").scalar())
+
+    def bound_transaction(self, idle_ms: int, statement_ms: int) -> None:
+        _run(self.conn, "bound_transaction", idle_ms=str(idle_ms), statement_ms=str(statement_ms))
+
+    def end_active_batch(
+        self,
+        *,
+        as_of: datetime,
+        cutoff: datetime,
+        require_empty: bool,
+        end_reason: str,
+        batch_size: int,
+        excluded: list[str],
+        run_id: str,
+        topic: str,
+    ) -> list[Row]:
+        return list(
+            _run(
+                self.conn,
+                "end_active_batch",
+                as_of=as_of,
+                cutoff=cutoff,
+                require_empty=require_empty,
+                end_reason=end_reason,
+                batch_size=batch_size,
+                excluded=excluded,
+                run_id=run_id,
+                topic=topic,
+            )
+        )
+
+    def fail_provisioning_batch(
+        self, *, as_of: datetime, cutoff: datetime, batch_size: int, excluded: list[str]
+    ) -> list[Row]:
+        return list(
+            _run(
+                self.conn,
+                "fail_provisioning_batch",
+                as_of=as_of,
+                cutoff=cutoff,
+                batch_size=batch_size,
+                excluded=excluded,
+            )
+        )
+
+    def mark_stop_requested(self, recording_ids: list[str], at: datetime) -> int:
+        return _run(self.conn, "mark_stop_requested", recording_ids=recording_ids, at=at).rowcount
+
+    def run_lock_holder(self) -> int | None:
+        return _run(self.conn, "run_lock_holder").scalar()

@@ -1,0 +1,228 @@
+-- Named queries of the reaper. Each block starts with a "-- name: <name>" line;
+-- reaper/queries.py loads them once and exposes one method per query.
+--
+-- The phase statements are set-based: one round trip claims a batch with
+-- FOR UPDATE SKIP LOCKED, applies the guarded transition, closes the roster,
+-- writes the outbox rows and reports back. Data-modifying CTEs all see the
+-- statement's snapshot, so payloads are built from the rows as they were
+-- before the roster update (an open roster row is reported with leftAt = as_of).
+--
+-- Result rows of a phase statement, in one shape:
+--   kind            'reaped' | 'poison' | 'locked' | 'stop'
+--   conference_id, chat_id, deal_id, duration_seconds
+--   detail          poison: why; stop: the recording id; otherwise null
+
+-- name: try_run_lock
+-- The single-runner lock, held until the end of the calling transaction.
+SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0));
+
+-- name: bound_transaction
+-- A stuck holder is ended by the server, which frees its locks (LockTtl).
+SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, true),
+       set_config('statement_timeout', :statement_ms, true),
+       set_config('lock_timeout', :statement_ms, true);
+
+-- name: end_active_batch
+WITH visible AS (
+    SELECT s.id
+    FROM messenger.conference_sessions s
+    WHERE s.status = 'Active'
+      AND s.last_activity_at <= :cutoff
+      AND (s.active_participant_count = 0 OR NOT :require_empty)
+      AND s.id <> ALL (CAST(:excluded AS uuid[]))
+    ORDER BY s.status, s.last_activity_at
+    LIMIT :batch_size
+),
+claimed AS (
+    SELECT s.id, s.started_at
+    FROM messenger.conference_sessions s
+    WHERE s.status = 'Active'
+      AND s.last_activity_at <= :cutoff
+      AND (s.active_participant_count = 0 OR NOT :require_empty)
+      AND s.id <> ALL (CAST(:excluded AS uuid[]))
+    ORDER BY s.status, s.last_activity_at
+    LIMIT :batch_size
+    FOR UPDATE SKIP LOCKED
+),
+ended AS (
+    UPDATE messenger.conference_sessions s
+    SET status = 'Ended',
+        end_reason = :end_reason,
+        ended_at = :as_of,
+        updated_at = :as_of,
+        duration_seconds = floor(extract(epoch FROM CAST(:as_of AS timestamptz) - s.started_at))::int,
+        active_participant_count = 0
+    FROM claimed
+    WHERE s.id = claimed.id
+      AND s.status = 'Active'
+      AND s.last_activity_at <= :cutoff
+      AND (s.active_participant_count = 0 OR NOT :require_empty)
+      AND s.started_at IS NOT NULL
+      AND s.started_at <= :as_of
+    RETURNING s.*
+),
+roster AS (
+    UPDATE messenger.conference_participants p
+    SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
+    FROM ended
+    WHERE p.conference_id = ended.id AND p.left_at IS NULL
+),
+integration AS (
+    INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload, created_at)
+    SELECT ev.event_id, :topic, e.deal_id::text,
+           jsonb_build_object(
+               'eventId', ev.event_id,
+               'eventType', 'pin.messenger.conference-ended.v1',
+               'occurredAt', messenger.rfc3339(:as_of),
+               'correlationId', CAST(:run_id AS text),
+               'aggregateId', e.deal_id,
+               'payload', jsonb_build_object(
+                   'conferenceId', e.id,
+                   'chatId', e.chat_id,
+                   'dealId', e.deal_id,
+                   'tenantId', e.tenant_id,
+                   'mediaType', e.media_type,
+                   'status', e.status,
+                   'endReason', e.end_reason,
+                   'startedByUserId', e.started_by_user_id,
+                   'startedAt', messenger.rfc3339(e.started_at),
+                   'endedAt', messenger.rfc3339(e.ended_at),
+                   'durationSeconds', e.duration_seconds,
+                   'peakParticipantCount', e.peak_participant_count,
+                   'participants', coalesce(roster.list, '[]'::jsonb),
+                   'wasRecorded', rec.id IS NOT NULL,
+                   'recordingId', rec.id)),
+           now()
+    FROM ended e
+    CROSS JOIN LATERAL (SELECT gen_random_uuid() AS event_id) ev
+    LEFT JOIN LATERAL (
+        SELECT jsonb_agg(jsonb_build_object(
+                   'userId', p.user_id,
+                   'joinedAt', messenger.rfc3339(p.joined_at),
+                   'leftAt', messenger.rfc3339(coalesce(p.left_at, greatest(CAST(:as_of AS timestamptz), p.joined_at))))
+               ORDER BY p.joined_at, p.id) AS list
+        FROM messenger.conference_participants p
+        WHERE p.conference_id = e.id
+    ) roster ON true
+    LEFT JOIN LATERAL (
+        SELECT r.id
+        FROM messenger.call_recordings r
+        WHERE r.conference_id = e.id
+        ORDER BY r.created_at DESC, r.id DESC
+        LIMIT 1
+    ) rec ON true
+    ORDER BY e.ended_at, e.last_activity_at
+),
+realtime AS (
+    INSERT INTO messenger.realtime_outbox
+        (kind, target_kind, chat_id, session_kind, conference_id, payload, created_at)
+    SELECT 'ConferenceEnded', 'ChatGroup', e.chat_id, 'Conference', e.id,
+           jsonb_build_object(
+               'conferenceId', e.id, 'chatId', e.chat_id, 'status', e.status,
+               'endReason', e.end_reason, 'signal', 'Ended'),
+           now()
+    FROM ended e
+)
+SELECT 'reaped' AS kind, e.id AS conference_id, e.chat_id, e.deal_id, e.duration_seconds,
+       NULL::text AS detail
+FROM ended e
+UNION ALL
+SELECT 'poison', s.id, s.chat_id, s.deal_id, NULL,
+       CASE WHEN s.started_at IS NULL THEN 'Active without started_at'
+            WHEN s.started_at > :as_of THEN 'started_at after as_of'
+            ELSE 'rejected by the status guard' END
+FROM claimed c
+JOIN messenger.conference_sessions s ON s.id = c.id
+WHERE NOT EXISTS (SELECT 1 FROM ended e WHERE e.id = c.id)
+UNION ALL
+SELECT 'locked', v.id, NULL, NULL, NULL, NULL
+FROM visible v
+WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.id = v.id)
+UNION ALL
+SELECT 'stop', r.conference_id, NULL, NULL, NULL, r.id::text
+FROM messenger.call_recordings r
+JOIN ended e ON e.id = r.conference_id
+WHERE r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL;
+
+-- name: fail_provisioning_batch
+WITH visible AS (
+    SELECT s.id
+    FROM messenger.conference_sessions s
+    WHERE s.status = 'Provisioning'
+      AND s.created_at <= :cutoff
+      AND s.id <> ALL (CAST(:excluded AS uuid[]))
+    ORDER BY s.created_at
+    LIMIT :batch_size
+),
+claimed AS (
+    SELECT s.id
+    FROM messenger.conference_sessions s
+    WHERE s.status = 'Provisioning'
+      AND s.created_at <= :cutoff
+      AND s.id <> ALL (CAST(:excluded AS uuid[]))
+    ORDER BY s.created_at
+    LIMIT :batch_size
+    FOR UPDATE SKIP LOCKED
+),
+failed AS (
+    UPDATE messenger.conference_sessions s
+    SET status = 'Failed',
+        end_reason = 'Error',
+        ended_at = :as_of,
+        updated_at = :as_of,
+        active_participant_count = 0
+    FROM claimed
+    WHERE s.id = claimed.id
+      AND s.status = 'Provisioning'
+      AND s.created_at <= :cutoff
+    RETURNING s.*
+),
+roster AS (
+    UPDATE messenger.conference_participants p
+    SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
+    FROM failed
+    WHERE p.conference_id = failed.id AND p.left_at IS NULL
+),
+realtime AS (
+    INSERT INTO messenger.realtime_outbox
+        (kind, target_kind, chat_id, session_kind, conference_id, payload, created_at)
+    SELECT 'ConferenceSignal', 'ChatGroup', f.chat_id, 'Conference', f.id,
+           jsonb_build_object(
+               'conferenceId', f.id, 'chatId', f.chat_id, 'status', f.status,
+               'endReason', f.end_reason, 'signal', 'Failed'),
+           now()
+    FROM failed f
+)
+SELECT 'reaped' AS kind, f.id AS conference_id, f.chat_id, f.deal_id, f.duration_seconds,
+       NULL::text AS detail
+FROM failed f
+UNION ALL
+SELECT 'poison', c.id, NULL, NULL, NULL, 'rejected by the status guard'
+FROM claimed c
+WHERE NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = c.id)
+UNION ALL
+SELECT 'locked', v.id, NULL, NULL, NULL, NULL
+FROM visible v
+WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.id = v.id)
+UNION ALL
+SELECT 'stop', r.conference_id, NULL, NULL, NULL, r.id::text
+FROM messenger.call_recordings r
+JOIN failed f ON f.id = r.conference_id
+WHERE r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL;
+
+-- name: mark_stop_requested
+UPDATE messenger.call_recordings
+SET stop_requested_at = :at
+WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
+
+-- name: run_lock_holder
+-- Backend pid holding the single-runner lock, if any (bigint keys are split
+-- into classid = high 32 bits, objid = low 32 bits).
+SELECT l.pid
+FROM pg_locks l
+CROSS JOIN (SELECT hashtextextended('messenger.conference-room-reaper', 0) AS k) key
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid::bigint = ((key.k >> 32) & 4294967295)
+  AND l.objid::bigint = (key.k & 4294967295)
+LIMIT 1;

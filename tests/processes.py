@@ -1,0 +1,72 @@
+"""Real service processes for end-to-end tests: ``celery -A reaper worker -B``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CELERY = str(Path(sys.executable).parent / "celery")
+
+
+class Worker:
+    """A worker (with embedded beat unless ``beat=False``) as a subprocess."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        beat: bool = True,
+        name: str = "reaper",
+        concurrency: int = 2,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.workdir = workdir
+        self.log_path = workdir / f"{name}.log"
+        self.env = {**os.environ, **(env or {})}
+        args = [CELERY, "-A", "reaper", "worker", "-l", "INFO", "-n", f"{name}@%h"]
+        args += ["--concurrency", str(concurrency), "--without-gossip", "--without-mingle"]
+        if beat:
+            args += ["-B", "-s", str(workdir / f"{name}-beat-schedule")]
+        self.args = args + list(extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_timeout: float = 30.0) -> Worker:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self.wait_for(lambda text: " ready." in text, ready_timeout, "worker ready")
+        return self
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_for(self, predicate: Callable[[str], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate(self.output()):
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.proc.returncode}):\n{self.output()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{what} not seen in {timeout}s:\n{self.output()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,402 @@
+"""The spec's test table, one test per row, against real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, text
+
+from reaper.config import Settings
+from reaper.cycle import Reaper
+from tests import factory as f
+from tests.factory import T0
+
+
+def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
+    return Reaper(settings, engine=engine, clock=lambda: T0, **kwargs).run_cycle(as_of)
+
+
+def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
+    return [r.fields for r in caplog.records if getattr(r, "event", None) == name]
+
+
+def test_empty_batch_is_a_noop(settings, engine):
+    with engine.begin() as conn:
+        live = f.conference(conn, idle=timedelta(seconds=10))  # within the grace
+        ended = f.conference(
+            conn, status="Ended", end_reason="Normal", ended_at=T0 - timedelta(hours=1)
+        )
+    result = reap(settings, engine)
+    assert result["skipped"] is False
+    assert [result[k] for k in ("empty_timeout_count", "provision_failed_count")] == [0, 0]
+    assert result["stale_timeout_count"] == result["failed_count"] == 0
+    with engine.connect() as conn:
+        assert f.statuses(conn) == {live["id"]: ("Active", None), ended["id"]: ("Ended", "Normal")}
+        assert f.session_row(conn, live["id"])["updated_at"] == live["updated_at"]
+        assert f.outbox(conn) == [] and f.realtime(conn) == []
+
+
+def test_empty_room_ends_with_event_and_realtime_row(settings, engine, caplog):
+    caplog.set_level(logging.INFO, "reaper")
+    with engine.begin() as conn:
+        room = f.conference(conn, idle=timedelta(seconds=91), peak_participant_count=3)
+        alice = f.participant(
+            conn,
+            room["id"],
+            joined_at=T0 - timedelta(minutes=20),
+            left_at=T0 - timedelta(seconds=91),
+        )
+        bob = f.participant(conn, room["id"], joined_at=T0 - timedelta(minutes=15))  # never left
+    result = reap(settings, engine)
+    assert result["empty_timeout_count"] == 1
+    with engine.connect() as conn:
+        row = f.session_row(conn, room["id"])
+        assert (row["status"], row["end_reason"]) == ("Ended", "EmptyTimeout")
+        assert row["ended_at"] == row["updated_at"] == T0
+        assert row["duration_seconds"] == int((T0 - room["started_at"]).total_seconds())
+        assert row["active_participant_count"] == 0
+        left = conn.execute(
+            text("SELECT user_id::text, left_at FROM messenger.conference_participants")
+        ).all()
+        assert {(u, t) for u, t in left} == {
+            (alice["user_id"], T0 - timedelta(seconds=91)),
+            (bob["user_id"], T0),
+        }
+        [event] = f.outbox(conn)
+        [push] = f.realtime(conn)
+    assert event["topic"] == "pin.messenger.conference-ended.v1"
+    assert event["message_key"] == room["deal_id"]
+    assert event["published_at"] is None and event["attempts"] == 0
+    assert event["payload"] == {
+        "eventId": str(event["event_id"]),
+        "eventType": "pin.messenger.conference-ended.v1",
+        "occurredAt": "2026-12-02T10:00:00Z",
+        "correlationId": result["run_id"],
+        "aggregateId": room["deal_id"],
+        "payload": {
+            "conferenceId": room["id"],
+            "chatId": room["chat_id"],
+            "dealId": room["deal_id"],
+            "tenantId": room["tenant_id"],
+            "mediaType": "Video",
+            "status": "Ended",
+            "endReason": "EmptyTimeout",
+            "startedByUserId": room["started_by_user_id"],
+            "startedAt": "2026-12-02T09:30:05Z",
+            "endedAt": "2026-12-02T10:00:00Z",
+            "durationSeconds": 1795,
+            "peakParticipantCount": 3,
+            "participants": [
+                {
+                    "userId": alice["user_id"],
+                    "joinedAt": "2026-12-02T09:40:00Z",
+                    "leftAt": "2026-12-02T09:58:29Z",
+                },
+                {
+                    "userId": bob["user_id"],
+                    "joinedAt": "2026-12-02T09:45:00Z",
+                    "leftAt": "2026-12-02T10:00:00Z",
+                },
+            ],
+            "wasRecorded": False,
+            "recordingId": None,
+        },
+    }
+    assert (push["kind"], push["target_kind"], push["session_kind"]) == (
+        "ConferenceEnded",
+        "ChatGroup",
+        "Conference",
+    )
+    assert (str(push["chat_id"]), str(push["conference_id"])) == (room["chat_id"], room["id"])
+    assert push["payload"] == {
+        "conferenceId": room["id"],
+        "chatId": room["chat_id"],
+        "status": "Ended",
+        "endReason": "EmptyTimeout",
+        "signal": "Ended",
+    }
+    [reaped] = events(caplog, "conference.reaped")
+    assert reaped == {
+        "run_id": result["run_id"],
+        "phase": "empty_room",
+        "conference_id": room["id"],
+        "chat_id": room["chat_id"],
+        "deal_id": room["deal_id"],
+        "status": "Ended",
+        "end_reason": "EmptyTimeout",
+        "duration_seconds": 1795,
+    }
+    assert events(caplog, "cycle.started")[0]["as_of"] == "2026-12-02T10:00:00Z"
+    assert events(caplog, "cycle.completed")[0]["empty_timeout_count"] == 1
+    assert {e["phase"] for e in events(caplog, "batch.selected")} == {
+        "empty_room",
+        "provision_timeout",
+        "stale_live",
+    }
+
+
+def test_grace_boundary_is_inclusive(settings, engine):
+    with engine.begin() as conn:
+        at = f.conference(conn, idle=timedelta(seconds=90))
+        before = f.conference(conn, idle=timedelta(seconds=89, microseconds=999_999))
+    reap(settings, engine)
+    with engine.connect() as conn:
+        assert f.statuses(conn) == {
+            at["id"]: ("Ended", "EmptyTimeout"),
+            before["id"]: ("Active", None),
+        }
+
+
+def test_someone_joined_within_grace_is_left_alone(settings, engine):
+    with engine.begin() as conn:
+        room = f.conference(conn, idle=timedelta(minutes=10), participants=1)
+    result = reap(settings, engine)
+    assert result["empty_timeout_count"] == 0
+    with engine.connect() as conn:
+        assert f.statuses(conn) == {room["id"]: ("Active", None)}
+        assert f.outbox(conn) == []
+
+
+def test_provision_timeout_fails_without_integration_event(settings, engine):
+    with engine.begin() as conn:
+        stuck = f.conference(conn, status="Provisioning", age=timedelta(minutes=2))
+        fresh = f.conference(conn, status="Provisioning", age=timedelta(seconds=119))
+    result = reap(settings, engine)
+    assert result["provision_failed_count"] == 1
+    with engine.connect() as conn:
+        row = f.session_row(conn, stuck["id"])
+        assert (row["status"], row["end_reason"], row["ended_at"]) == ("Failed", "Error", T0)
+        assert row["started_at"] is None and row["duration_seconds"] is None
+        assert f.statuses(conn)[fresh["id"]] == ("Provisioning", None)
+        assert f.outbox(conn) == []
+        [push] = f.realtime(conn)
+    assert push["kind"] == "ConferenceSignal"
+    assert push["payload"]["signal"] == "Failed"
+    assert str(push["conference_id"]) == stuck["id"]
+
+
+def test_stale_live_ends_with_timeout_and_event(settings, engine):
+    with engine.begin() as conn:
+        stale = f.conference(conn, idle=timedelta(hours=4), participants=2, age=timedelta(hours=6))
+        alive = f.conference(
+            conn, idle=timedelta(hours=3, minutes=59), participants=2, age=timedelta(hours=6)
+        )
+    result = reap(settings, engine)
+    assert result["stale_timeout_count"] == 1 and result["empty_timeout_count"] == 0
+    with engine.connect() as conn:
+        assert f.statuses(conn) == {
+            stale["id"]: ("Ended", "Timeout"),
+            alive["id"]: ("Active", None),
+        }
+        [event] = f.outbox(conn)
+        assert f.session_row(conn, stale["id"])["active_participant_count"] == 0
+    assert event["payload"]["payload"]["endReason"] == "Timeout"
+    assert event["payload"]["payload"]["conferenceId"] == stale["id"]
+
+
+def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, engine):
+    stops = []
+
+    class Recorder:
+        def stop_all(self, requests):
+            stops.extend(requests)
+            return requests
+
+    with engine.begin() as conn:
+        room = f.conference(conn, idle=timedelta(minutes=5))
+        old = f.recording(conn, room["id"], status="Available", created_at=T0 - timedelta(hours=1))
+        live = f.recording(conn, room["id"], status="Recording")
+        done_room = f.conference(conn, idle=timedelta(minutes=5))
+        f.recording(conn, done_room["id"], status="Available")
+    reap(settings, engine, recorder=Recorder())
+    assert [(s.recording_id, s.conference_id, s.reason) for s in stops] == [
+        (live["id"], room["id"], "EmptyTimeout")
+    ]
+    with engine.connect() as conn:
+        events_by_room = {e["payload"]["payload"]["conferenceId"]: e for e in f.outbox(conn)}
+        marked = (
+            conn.execute(
+                text(
+                    "SELECT id::text FROM messenger.call_recordings WHERE stop_requested_at IS NOT NULL"
+                )
+            )
+            .scalars()
+            .all()
+        )
+    assert events_by_room[room["id"]]["payload"]["payload"]["wasRecorded"] is True
+    assert events_by_room[room["id"]]["payload"]["payload"]["recordingId"] == live["id"]
+    assert events_by_room[done_room["id"]]["payload"]["payload"]["wasRecorded"] is True
+    assert old["id"] != live["id"] and marked == [live["id"]]
+
+
+def test_second_cycle_is_a_guarded_noop(settings, engine):
+    with engine.begin() as conn:
+        f.conference(conn, idle=timedelta(minutes=5))
+        f.conference(conn, status="Provisioning", age=timedelta(minutes=5))
+        f.conference(conn, idle=timedelta(hours=5), participants=1)
+    first = reap(settings, engine)
+    with engine.connect() as conn:
+        before = (f.statuses(conn), len(f.outbox(conn)), len(f.realtime(conn)))
+    second = reap(settings, engine, as_of=T0 + timedelta(minutes=1))
+    assert (
+        first["empty_timeout_count"],
+        first["provision_failed_count"],
+        first["stale_timeout_count"],
+    ) == (1, 1, 1)
+    assert (
+        second["empty_timeout_count"],
+        second["provision_failed_count"],
+        second["stale_timeout_count"],
+    ) == (0, 0, 0)
+    with engine.connect() as conn:
+        assert (f.statuses(conn), len(f.outbox(conn)), len(f.realtime(conn))) == before
+    assert before[1:] == (2, 3)
+
+
+def test_race_with_end_conference_row_locked_is_skipped_not_waited(settings, engine):
+    with engine.begin() as conn:
+        busy = f.conference(conn, idle=timedelta(minutes=5))
+        free = f.conference(conn, idle=timedelta(minutes=4))
+    command = engine.connect()
+    tx = command.begin()
+    command.execute(
+        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
+        {"id": busy["id"]},
+    )
+    try:
+        done = threading.Event()
+        result: dict = {}
+        runner = threading.Thread(
+            target=lambda: (result.update(reap(settings, engine)), done.set())
+        )
+        runner.start()
+        assert done.wait(10), "the reaper waited on a row lock"
+        # the command now ends the conference itself
+        command.execute(
+            text(
+                "UPDATE messenger.conference_sessions SET status='Ended', end_reason='Normal', "
+                "ended_at=:t, updated_at=:t WHERE id=:id"
+            ),
+            {"t": T0, "id": busy["id"]},
+        )
+        tx.commit()
+    finally:
+        command.close()
+    assert result["empty_timeout_count"] == 1
+    assert result["skipped_locked_count"] == 1
+    again = reap(settings, engine)
+    assert again["empty_timeout_count"] == 0 and again["skipped_locked_count"] == 0
+    with engine.connect() as conn:
+        assert f.statuses(conn) == {
+            busy["id"]: ("Ended", "Normal"),
+            free["id"]: ("Ended", "EmptyTimeout"),
+        }
+        assert [e["payload"]["payload"]["conferenceId"] for e in f.outbox(conn)] == [free["id"]]
+
+
+def test_race_with_end_conference_already_ended_is_not_selected(settings, engine):
+    with engine.begin() as conn:
+        room = f.conference(
+            conn, status="Ended", end_reason="Normal", ended_at=T0, idle=timedelta(minutes=5)
+        )
+    result = reap(settings, engine)
+    assert result["empty_timeout_count"] == result["skipped_locked_count"] == 0
+    with engine.connect() as conn:
+        assert f.statuses(conn) == {room["id"]: ("Ended", "Normal")}
+
+
+def test_poison_row_is_isolated_and_the_rest_commits(settings, engine, caplog):
+    caplog.set_level(logging.INFO, "reaper")
+    with engine.begin() as conn:
+        poison = f.conference(conn, idle=timedelta(minutes=10), started_at=None)
+        future = f.conference(conn, idle=timedelta(minutes=9), started_at=T0 + timedelta(hours=1))
+        good = f.conference(conn, idle=timedelta(minutes=5))
+    result = reap(settings, engine)
+    assert result["empty_timeout_count"] == 1
+    assert result["failed_count"] == 2  # counted once, though stale_live could see them too
+    with engine.connect() as conn:
+        assert f.statuses(conn) == {
+            poison["id"]: ("Active", None),
+            future["id"]: ("Active", None),
+            good["id"]: ("Ended", "EmptyTimeout"),
+        }
+    failed = events(caplog, "item.failed")
+    assert {e["conference_id"] for e in failed} == {poison["id"], future["id"]}
+    assert all(
+        r.levelno == logging.ERROR
+        for r in caplog.records
+        if getattr(r, "event", None) == "item.failed"
+    )
+
+
+def test_poison_rows_filling_a_batch_do_not_block_the_rest(database_url, engine):
+    settings = Settings(database_url=database_url, batch_size=2)
+    with engine.begin() as conn:
+        for minutes in (20, 19, 18):
+            f.conference(conn, idle=timedelta(minutes=minutes), started_at=None)
+        good = [f.conference(conn, idle=timedelta(minutes=m)) for m in (5, 4, 3)]
+    result = reap(settings, engine)
+    assert result["failed_count"] == 3 and result["empty_timeout_count"] == 3
+    with engine.connect() as conn:
+        assert all(f.statuses(conn)[g["id"]] == ("Ended", "EmptyTimeout") for g in good)
+
+
+def test_lock_held_elsewhere_makes_the_run_a_noop(settings, engine, caplog):
+    caplog.set_level(logging.INFO, "reaper")
+    with engine.begin() as conn:
+        room = f.conference(conn, idle=timedelta(minutes=5))
+    with engine.connect() as other:
+        other.execute(
+            text("SELECT pg_advisory_lock(hashtextextended('messenger.conference-room-reaper', 0))")
+        )
+        pid = other.execute(text("SELECT pg_backend_pid()")).scalar()
+        result = reap(settings, engine)
+        other.execute(
+            text(
+                "SELECT pg_advisory_unlock(hashtextextended('messenger.conference-room-reaper', 0))"
+            )
+        )
+    assert result["skipped"] is True and result["empty_timeout_count"] == 0
+    with engine.connect() as conn:
+        assert f.statuses(conn) == {room["id"]: ("Active", None)} and f.outbox(conn) == []
+    skipped = events(caplog, "cycle.skipped")
+    assert skipped and all(e["holder_pid"] == pid for e in skipped)
+    assert reap(settings, engine)["empty_timeout_count"] == 1
+
+
+def test_backlog_of_5000_drains_in_one_cycle(settings, engine, capsys):
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, 5000)
+    result = Reaper(settings, engine=engine).run_cycle(T0)  # real clock: real duration
+    assert result["empty_timeout_count"] == 5000
+    with engine.connect() as conn:
+        counts = conn.execute(
+            text(
+                "SELECT (SELECT count(*) FROM messenger.conference_sessions WHERE status='Ended'),"
+                " (SELECT count(DISTINCT message_key) FROM messenger.integration_outbox),"
+                " (SELECT count(*) FROM messenger.realtime_outbox)"
+            )
+        ).one()
+    assert tuple(counts) == (5000, 5000, 5000)
+    with capsys.disabled():
+        print(
+            f"\n[figures] 5000-room backlog drained in one cycle: {result['duration_ms']} ms "
+            f"({json.dumps({k: v for k, v in result.items() if k.endswith('_count')})})"
+        )
+
+
+def test_cycle_respects_max_run_duration_then_resumes(database_url, engine):
+    settings = Settings(database_url=database_url, batch_size=10)
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, 50)
+    ticks = iter(range(1000))
+    # every clock read advances 10 s: the 30 s budget is spent after a few batches
+    clock = lambda: T0 + timedelta(seconds=10 * next(ticks))  # noqa: E731
+    first = Reaper(settings, engine=engine, clock=clock).run_cycle(T0)
+    assert 0 < first["empty_timeout_count"] < 50
+    rest = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    assert first["empty_timeout_count"] + rest["empty_timeout_count"] == 50
