@@ -81,7 +81,8 @@ def participant(
     row["id"] = conn.execute(
         text(
             """
-            INSERT INTO messenger.conference_participants (conference_id, user_id, joined_at, left_at)
+            INSERT INTO messenger.conference_participants
+              (conference_id, user_id, joined_at, left_at)
             VALUES (:conference_id, :user_id, :joined_at, :left_at) RETURNING id
             """
         ),
@@ -106,7 +107,8 @@ def recording(
     conn.execute(
         text(
             """
-            INSERT INTO messenger.call_recordings (id, conference_id, status, created_at, updated_at)
+            INSERT INTO messenger.call_recordings
+              (id, conference_id, status, created_at, updated_at)
             VALUES (:id, :conference_id, :status, :created_at, :created_at)
             """
         ),

@@ -221,7 +221,8 @@ def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, 
         marked = (
             conn.execute(
                 text(
-                    "SELECT id::text FROM messenger.call_recordings WHERE stop_requested_at IS NOT NULL"
+                    "SELECT id::text FROM messenger.call_recordings"
+                    " WHERE stop_requested_at IS NOT NULL"
                 )
             )
             .scalars()
