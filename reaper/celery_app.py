@@ -25,6 +25,7 @@ def _configure_logging(**_: Any) -> None:
 
 @worker_init.connect
 def _on_worker_start(**_: Any) -> None:
+    logs.configure()
     settings = get_settings()
     if not settings.recorder_url:
         logs.log(
