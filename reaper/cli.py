@@ -44,7 +44,7 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         # finish the batch in flight, then stop: never leave one half-done
         signal.signal(signum, lambda *_: stop.set())
-    reaper = Reaper(settings, stop_event=stop)
+    reaper = Reaper(settings, stop_event=stop, allow_mass_closure=args.allow_mass_closure)
     if not settings.recorder_url:
         logs.log(
             logs.get_logger("cli"),
@@ -57,6 +57,12 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
         reaper.run_phase(name, cycle)
     result = reaper.finish(cycle)
     _print(result, as_json=args.json)
+    if cycle.blocked:
+        print(
+            f"reaper: mass-closure guard: {', '.join(cycle.blocked)} ended nothing; "
+            "rerun with --allow-mass-closure to end them anyway",
+            file=sys.stderr,
+        )
     return 1 if cycle.errors else 0
 
 
@@ -87,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     reap.add_argument("--once", action="store_true", help="run one cycle and exit")
     reap.add_argument("--as-of", help="the cycle's moment, RFC 3339 (default: now)")
     reap.add_argument("--json", action="store_true", help="print the result as JSON")
+    reap.add_argument(
+        "--allow-mass-closure",
+        action="store_true",
+        help="this run only: let stale_live end more than REAPER_MASS_CLOSURE_SHARE "
+        "of the active conferences",
+    )
     reap.set_defaults(handler=cmd_reap)
     return parser
 

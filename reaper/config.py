@@ -10,10 +10,17 @@ import re
 import sys
 from datetime import timedelta
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "REAPER_"
@@ -55,6 +62,15 @@ def _url(*schemes: str):
     return check
 
 
+def _readable_file(value: str) -> str:
+    try:
+        with open(value, "rb"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"must be a readable file ({exc.strerror})") from None
+    return value
+
+
 def _bootstrap(value: str) -> str:
     servers = [s.strip() for s in value.split(",") if s.strip()]
     if not servers:
@@ -81,6 +97,26 @@ class Settings(BaseSettings):
     broker_key_prefix: str = ""
     kafka_bootstrap_servers: Annotated[str, AfterValidator(_bootstrap)] = "127.0.0.1:9092"
     conference_ended_topic: str = Field("pin.messenger.conference-ended.v1", min_length=1)
+    # Kafka client security (see README "Outbox relay and Kafka").
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: Annotated[str, AfterValidator(_readable_file)] | None = None
+    kafka_ssl_certfile: Annotated[str, AfterValidator(_readable_file)] | None = None
+    kafka_ssl_keyfile: Annotated[str, AfterValidator(_readable_file)] | None = None
+    kafka_ssl_password: SecretStr | None = None
+    kafka_ssl_check_hostname: bool = True
+    # Bound of one delivery (send + acknowledgement); connecting and metadata
+    # waits get half of it, so an unreachable broker fails a pass in seconds.
+    kafka_timeout: Duration = timedelta(seconds=10)
+    # The outbox relay (reaper.relay_outbox).
+    relay_interval: Duration = timedelta(seconds=5)
+    relay_batch_size: int = Field(500, ge=1, le=10_000)
+    relay_max_pass_duration: Duration = timedelta(seconds=20)
+    relay_backoff_initial: Duration = timedelta(seconds=1)
+    relay_backoff_max: Duration = timedelta(seconds=60)
+    outbox_retention: Duration = timedelta(days=7)
     polling_interval: Duration = timedelta(seconds=30)
     empty_room_grace: Duration = timedelta(seconds=90)
     provision_timeout: Duration = timedelta(seconds=120)
@@ -91,6 +127,11 @@ class Settings(BaseSettings):
     recorder_url: Annotated[str, AfterValidator(_url("http", "https"))] | None = None
     recorder_timeout: Duration = timedelta(seconds=2)
     metrics_port: int = Field(9808, ge=0, le=65535)
+    # Mass-closure guard of stale_live: a cycle that would end more than this
+    # share of the Active conferences, and more than the floor, ends nothing.
+    # A presence outage looks exactly like that. 1 turns the guard off.
+    mass_closure_share: float = Field(0.5, gt=0, le=1)
+    mass_closure_floor: int = Field(20, ge=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _coherent(self) -> Settings:
@@ -98,6 +139,19 @@ class Settings(BaseSettings):
             raise ValueError(
                 "REAPER_EMPTY_ROOM_GRACE: must be below REAPER_STALE_LIVE_TIMEOUT "
                 f"({self.empty_room_grace} >= {self.stale_live_timeout})"
+            )
+        if self.kafka_security_protocol.startswith("SASL_") and not (
+            self.kafka_sasl_mechanism and self.kafka_sasl_username and self.kafka_sasl_password
+        ):
+            raise ValueError(
+                "REAPER_KAFKA_SECURITY_PROTOCOL: "
+                f"{self.kafka_security_protocol} needs REAPER_KAFKA_SASL_MECHANISM, "
+                "REAPER_KAFKA_SASL_USERNAME and REAPER_KAFKA_SASL_PASSWORD"
+            )
+        if self.relay_backoff_initial > self.relay_backoff_max:
+            raise ValueError(
+                "REAPER_RELAY_BACKOFF_INITIAL: must not exceed REAPER_RELAY_BACKOFF_MAX "
+                f"({self.relay_backoff_initial} > {self.relay_backoff_max})"
             )
         if self.lock_ttl <= self.max_run_duration:
             raise ValueError(

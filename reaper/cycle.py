@@ -22,7 +22,7 @@ from reaper.config import Settings
 from reaper.db import engine_for
 from reaper.lock import millis, run_lock
 from reaper.logs import get_logger, log
-from reaper.phases import ORDER, PHASES, BatchOutcome, Phase, reap_batch
+from reaper.phases import ORDER, PHASES, STALE_LIVE, BatchOutcome, Phase, reap_batch
 from reaper.queries import Queries
 from reaper.recorder import RecorderClient
 
@@ -67,6 +67,8 @@ class Cycle:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
     # Poison rows are left out for the rest of the cycle, in every phase.
     excluded: list[str] = field(default_factory=list)
+    # Phases the mass-closure guard stopped in this cycle.
+    blocked: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -102,8 +104,11 @@ class Reaper:
         recorder: RecorderClient | None = None,
         clock: Clock = utcnow,
         stop_event: threading.Event | None = None,
+        allow_mass_closure: bool = False,
     ) -> None:
         self.settings = settings
+        # The operator's one-run override of the mass-closure guard.
+        self.allow_mass_closure = allow_mass_closure
         self.engine = engine or engine_for(settings.database_url)
         if recorder is None and settings.recorder_url:
             recorder = RecorderClient(settings.recorder_url, settings.recorder_timeout)
@@ -169,6 +174,8 @@ class Reaper:
             with run_lock(self.engine, self.settings.lock_ttl) as holder:
                 if holder is not None:
                     return self.skip(cycle, holder, phase.name)
+                if phase is STALE_LIVE and self._mass_closure_blocked(phase, cycle):
+                    return cycle
                 self._drain(phase, cycle)
         except SQLAlchemyError as exc:
             cycle.errors += 1
@@ -182,6 +189,50 @@ class Reaper:
                 detail=str(getattr(exc, "orig", exc)).strip().splitlines()[0][:300],
             )
         return cycle
+
+    def _mass_closure_blocked(self, phase: Phase, cycle: Cycle) -> bool:
+        """True when this phase would end too many live rooms at once (then it ends none).
+
+        When presence heartbeats stop arriving, every live room looks stale: that
+        is an outage of the presence pipeline, not of the rooms. Above the floor,
+        ending more than the configured share of the Active conferences in one
+        cycle is refused until an operator allows it for one run.
+        """
+        with self.engine.begin() as conn:
+            queries = Queries(conn)
+            queries.bound_transaction(
+                idle_ms=millis(self.settings.lock_ttl),
+                statement_ms=millis(self.settings.max_run_duration),
+            )
+            eligible, active = queries.stale_live_census(
+                as_of=cycle.as_of,
+                cutoff=phase.cutoff(self.settings, cycle.as_of),
+                excluded=cycle.excluded,
+            )
+        share, floor = self.settings.mass_closure_share, self.settings.mass_closure_floor
+        if eligible <= floor or eligible <= share * active:
+            return False
+        fields = {
+            "run_id": cycle.run_id,
+            "phase": phase.name,
+            "eligible": eligible,
+            "active": active,
+            "share": share,
+            "floor": floor,
+        }
+        if self.allow_mass_closure:
+            log(logger, "phase.mass_closure_allowed", level=30, **fields)
+            return False
+        cycle.blocked.append(phase.name)
+        log(
+            logger,
+            "phase.mass_closure_blocked",
+            level=40,
+            **fields,
+            hint="presence outage? check heartbeats; to end them anyway run "
+            "`reaper reap --once --allow-mass-closure`",
+        )
+        return True
 
     def _drain(self, phase: Phase, cycle: Cycle) -> None:
         locked: set[str] = set()

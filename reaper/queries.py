@@ -93,8 +93,47 @@ class Queries:
             )
         )
 
+    def stale_live_census(
+        self, *, as_of: datetime, cutoff: datetime, excluded: list[str]
+    ) -> tuple[int, int]:
+        """``(eligible, active)``: what stale_live would end now, of all Active rooms."""
+        row = _run(
+            self.conn, "stale_live_census", as_of=as_of, cutoff=cutoff, excluded=excluded
+        ).one()
+        return int(row.eligible), int(row.active)
+
     def mark_stop_requested(self, recording_ids: list[str], at: datetime) -> int:
         return _run(self.conn, "mark_stop_requested", recording_ids=recording_ids, at=at).rowcount
 
     def run_lock_holder(self) -> int | None:
         return _run(self.conn, "run_lock_holder").scalar()
+
+    # -- the outbox relay ----------------------------------------------------
+
+    def claim_outbox_batch(self, batch_size: int) -> list[Row]:
+        return list(_run(self.conn, "claim_outbox_batch", batch_size=batch_size))
+
+    def mark_outbox_published(self, ids: list[int]) -> int:
+        return _run(self.conn, "mark_outbox_published", ids=ids).rowcount
+
+    def mark_outbox_failed(
+        self, failures: dict[int, str], backoff_initial_s: float, backoff_max_s: float
+    ) -> int:
+        return _run(
+            self.conn,
+            "mark_outbox_failed",
+            ids=list(failures),
+            errors=list(failures.values()),
+            backoff_initial_s=backoff_initial_s,
+            backoff_max_s=backoff_max_s,
+        ).rowcount
+
+    def outbox_pending_stats(self) -> tuple[int, float]:
+        """``(pending rows, age in seconds of the oldest one)``."""
+        row = _run(self.conn, "outbox_pending_stats").one()
+        return int(row.pending), float(row.oldest_age_seconds)
+
+    def delete_published_outbox(self, cutoff: datetime, batch_size: int) -> int:
+        return _run(
+            self.conn, "delete_published_outbox", cutoff=cutoff, batch_size=batch_size
+        ).rowcount

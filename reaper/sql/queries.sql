@@ -22,6 +22,17 @@ SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, true),
        set_config('statement_timeout', :statement_ms, true),
        set_config('lock_timeout', :statement_ms, true);
 
+-- name: stale_live_census
+-- The mass-closure guard's inputs: Active conferences stale_live would end now
+-- (rows its guard would reject as poison left out) against all Active ones.
+SELECT count(*) FILTER (
+           WHERE s.last_activity_at <= :cutoff
+             AND s.started_at IS NOT NULL AND s.started_at <= :as_of
+             AND s.id <> ALL (CAST(:excluded AS uuid[]))) AS eligible,
+       count(*) AS active
+FROM messenger.conference_sessions s
+WHERE s.status = 'Active';
+
 -- name: end_active_batch
 WITH visible AS (
     SELECT s.id
@@ -226,3 +237,76 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
   AND l.classid::bigint = ((key.k >> 32) & 4294967295)
   AND l.objid::bigint = (key.k & 4294967295)
 LIMIT 1;
+
+-- name: claim_outbox_batch
+-- The relay's batch: pending rows due for an attempt, oldest first, locked
+-- until the relay's transaction ends (a concurrent relay skips them). Per
+-- message key nothing overtakes: a row is left out while an earlier row of its
+-- key is backing off (in the CTE, so held-back keys never fill the batch), or
+-- is pending but not ours (claimed by another relay right now).
+WITH claimed AS (
+    SELECT o.id, o.event_id, o.topic, o.message_key, o.payload, o.attempts
+    FROM messenger.integration_outbox o
+    WHERE o.published_at IS NULL
+      AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
+      AND NOT EXISTS (
+          SELECT 1
+          FROM messenger.integration_outbox b
+          WHERE b.message_key = o.message_key
+            AND b.published_at IS NULL
+            AND b.id < o.id
+            AND b.next_attempt_at > now())
+    ORDER BY o.id
+    LIMIT :batch_size
+    FOR UPDATE SKIP LOCKED
+)
+SELECT c.id, c.event_id::text AS event_id, c.topic, c.message_key, c.attempts,
+       c.payload::text AS value,
+       c.payload ->> 'eventType' AS event_type,
+       c.payload ->> 'correlationId' AS correlation_id
+FROM claimed c
+WHERE NOT EXISTS (
+    SELECT 1
+    FROM messenger.integration_outbox b
+    WHERE b.message_key = c.message_key
+      AND b.published_at IS NULL
+      AND b.id < c.id
+      AND b.id NOT IN (SELECT id FROM claimed))
+ORDER BY c.id;
+
+-- name: mark_outbox_published
+-- Only rows whose own Kafka acknowledgement arrived.
+UPDATE messenger.integration_outbox
+SET published_at = clock_timestamp(),
+    attempts = attempts + 1,
+    next_attempt_at = NULL
+WHERE id = ANY (CAST(:ids AS bigint[])) AND published_at IS NULL;
+
+-- name: mark_outbox_failed
+-- One attempt more, why, and an exponential back-off before the next one.
+UPDATE messenger.integration_outbox o
+SET attempts = o.attempts + 1,
+    last_error = f.error,
+    next_attempt_at = clock_timestamp() + make_interval(secs => least(
+        CAST(:backoff_max_s AS float8),
+        CAST(:backoff_initial_s AS float8) * power(2, least(o.attempts, 30))))
+FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[])) AS f(id, error)
+WHERE o.id = f.id AND o.published_at IS NULL;
+
+-- name: outbox_pending_stats
+-- messenger_outbox_pending and messenger_outbox_oldest_pending_age_seconds.
+SELECT count(*) AS pending,
+       coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0) AS oldest_age_seconds
+FROM messenger.integration_outbox
+WHERE published_at IS NULL;
+
+-- name: delete_published_outbox
+-- Retention, one small batch at a time.
+DELETE FROM messenger.integration_outbox
+WHERE id IN (
+    SELECT id
+    FROM messenger.integration_outbox
+    WHERE published_at IS NOT NULL AND published_at < :cutoff
+    ORDER BY published_at
+    LIMIT :batch_size
+    FOR UPDATE SKIP LOCKED);
