@@ -80,9 +80,9 @@ roster AS (
 ),
 integration AS (
     INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload, created_at)
-    SELECT ev.event_id, :topic, e.deal_id::text,
+    SELECT e.event_id, :topic, e.deal_id::text,
            jsonb_build_object(
-               'eventId', ev.event_id,
+               'eventId', e.event_id,
                'eventType', 'pin.messenger.conference-ended.v1',
                'occurredAt', messenger.rfc3339(:as_of),
                'correlationId', CAST(:run_id AS text),
@@ -104,8 +104,9 @@ integration AS (
                    'wasRecorded', rec.id IS NOT NULL,
                    'recordingId', rec.id)),
            now()
-    FROM ended e
-    CROSS JOIN LATERAL (SELECT gen_random_uuid() AS event_id) ev
+    -- volatile in a subquery's target list: one new id per row (a LATERAL
+    -- without outer references may be evaluated once for the whole batch)
+    FROM (SELECT ended.*, gen_random_uuid() AS event_id FROM ended) e
     LEFT JOIN LATERAL (
         SELECT jsonb_agg(jsonb_build_object(
                    'userId', p.user_id,
