@@ -94,9 +94,12 @@ class Settings(BaseSettings):
     broker_url: Annotated[str, AfterValidator(_url("redis", "rediss"))] = "redis://127.0.0.1:6379/0"
     # Prefixes every Redis key of the broker: lets several deployments (or test
     # sessions) share one Redis without seeing each other's queues.
-    broker_key_prefix: str = ""
+    broker_key_prefix: str = Field("", pattern=r"^[A-Za-z0-9._:{}-]{0,128}$")
     kafka_bootstrap_servers: Annotated[str, AfterValidator(_bootstrap)] = "127.0.0.1:9092"
-    conference_ended_topic: str = Field("pin.messenger.conference-ended.v1", min_length=1)
+    # Kafka's own rule for topic names.
+    conference_ended_topic: str = Field(
+        "pin.messenger.conference-ended.v1", pattern=r"^[A-Za-z0-9._-]{1,249}$"
+    )
     # Kafka client security (see README "Outbox relay and Kafka").
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
@@ -165,6 +168,18 @@ class ConfigError(Exception):
     """A configuration problem, phrased as one line for the operator."""
 
 
+_USERINFO_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:)[^/?#@]*@")
+
+
+def _redact(name: str, value: object) -> object:
+    """An error line must not print a secret: URL passwords and *_PASSWORD values."""
+    if "PASSWORD" in name:
+        return "***"
+    if isinstance(value, str):
+        return _USERINFO_PASSWORD.sub(r"\g<head>***@", value)
+    return value
+
+
 def describe(error: ValidationError) -> str:
     """One line per problem: ``REAPER_X: rule (got 'value')``."""
     lines = []
@@ -174,7 +189,7 @@ def describe(error: ValidationError) -> str:
             lines.append(message)
             continue
         name = ENV_PREFIX + str(item["loc"][0]).upper()
-        lines.append(f"{name}: {message} (got {item['input']!r})")
+        lines.append(f"{name}: {message} (got {_redact(name, item['input'])!r})")
     return "; ".join(lines)
 
 

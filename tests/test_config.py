@@ -1,0 +1,204 @@
+"""Bad input at start: a table over every ``REAPER_*`` variable.
+
+Each wrong type, range or combination is refused by :func:`load_settings` with
+one line naming the variable; a representative subset is also run through the
+real ``reaper`` CLI and ``celery -A reaper worker``: non-zero exit, exactly one
+line on stderr naming the variable, no traceback, no secret echoed back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from reaper.config import ENV_PREFIX, ConfigError, Settings, load_settings
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "hunter2-canary"
+
+BAD_DURATIONS = ["", "abc", "0", "-5", "PT0S", "10:00", "1e3", "PT-5S", "nan", "9" * 20]
+
+# variable -> values that must be refused at start
+INVALID: dict[str, list[str]] = {
+    "DATABASE_URL": [
+        "",
+        "not a url",
+        "mysql://db.example/reaper",
+        "postgresql://",
+        "postgresql://127.0.0.1:99999/reaper",
+        f"postgres://reaper:{SECRET}@db.example/reaper",  # a common typo of the scheme
+    ],
+    "BROKER_URL": ["", "amqp://127.0.0.1//", "redis://", f"redis://:{SECRET}@h:port/0"],
+    "BROKER_KEY_PREFIX": ["with space:", "new\nline", "x" * 129],
+    "KAFKA_BOOTSTRAP_SERVERS": ["", ",", "kafka", "kafka:0", "kafka:65536", ":9092", "k:90a"],
+    "CONFERENCE_ENDED_TOPIC": ["", "a topic", "t" * 250, "tópico"],
+    "KAFKA_SECURITY_PROTOCOL": ["", "plaintext", "TLS", "SASL"],
+    "KAFKA_SASL_MECHANISM": ["", "GSSAPI", "plain", "OAUTHBEARER"],
+    "KAFKA_SSL_CAFILE": ["/nonexistent/ca.pem", "/"],
+    "KAFKA_SSL_CERTFILE": ["/nonexistent/cert.pem"],
+    "KAFKA_SSL_KEYFILE": ["/nonexistent/key.pem"],
+    "KAFKA_SSL_CHECK_HOSTNAME": ["maybe", "2", ""],
+    "KAFKA_TIMEOUT": BAD_DURATIONS,
+    "RELAY_INTERVAL": BAD_DURATIONS,
+    "RELAY_BATCH_SIZE": ["0", "-1", "10001", "ten", "1.5", ""],
+    "RELAY_MAX_PASS_DURATION": BAD_DURATIONS,
+    "RELAY_BACKOFF_INITIAL": BAD_DURATIONS,
+    "RELAY_BACKOFF_MAX": BAD_DURATIONS,
+    "OUTBOX_RETENTION": BAD_DURATIONS,
+    "POLLING_INTERVAL": BAD_DURATIONS,
+    "EMPTY_ROOM_GRACE": BAD_DURATIONS,
+    "PROVISION_TIMEOUT": BAD_DURATIONS,
+    "STALE_LIVE_TIMEOUT": BAD_DURATIONS,
+    "BATCH_SIZE": ["0", "-1", "10001", "ten", "1.5", ""],
+    "LOCK_TTL": BAD_DURATIONS,
+    "MAX_RUN_DURATION": BAD_DURATIONS,
+    "RECORDER_URL": ["ftp://recorder", "http://", "recorder:8080", f"http://u:{SECRET}@h:x/"],
+    "RECORDER_TIMEOUT": BAD_DURATIONS,
+    "METRICS_PORT": ["-1", "65536", "http", "80.5"],
+    "MASS_CLOSURE_SHARE": ["0", "-0.1", "1.01", "half", "nan", "inf", ""],
+    "MASS_CLOSURE_FLOOR": ["-1", "x", "2.5", ""],
+}
+
+# Wrong combinations: the environment, and the variable the line must name.
+COMBINATIONS: list[tuple[dict[str, str], str]] = [
+    ({"EMPTY_ROOM_GRACE": "PT4H"}, "EMPTY_ROOM_GRACE"),
+    ({"EMPTY_ROOM_GRACE": "600", "STALE_LIVE_TIMEOUT": "300"}, "STALE_LIVE_TIMEOUT"),
+    ({"LOCK_TTL": "30"}, "LOCK_TTL"),
+    ({"LOCK_TTL": "10", "MAX_RUN_DURATION": "60"}, "MAX_RUN_DURATION"),
+    ({"RELAY_BACKOFF_INITIAL": "120"}, "RELAY_BACKOFF_MAX"),
+    ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "KAFKA_SASL_MECHANISM"),
+    (
+        {
+            "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "KAFKA_SASL_MECHANISM": "PLAIN",
+            "KAFKA_SASL_PASSWORD": SECRET,
+        },
+        "KAFKA_SASL_USERNAME",
+    ),
+    (
+        {
+            "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+            "KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+            "KAFKA_SASL_USERNAME": "reaper",
+        },
+        "KAFKA_SASL_PASSWORD",
+    ),
+]
+
+# Any value is a valid value for these; what can be wrong is covered above.
+FREE_TEXT = {"KAFKA_SSL_PASSWORD": "a key passphrase may be anything"}
+
+VALID: list[dict[str, str]] = [
+    {"POLLING_INTERVAL": "PT90S", "EMPTY_ROOM_GRACE": "1.5", "LOCK_TTL": "P1D"},
+    {"MASS_CLOSURE_SHARE": "1", "MASS_CLOSURE_FLOOR": "0", "METRICS_PORT": "0"},
+    {"DATABASE_URL": "postgresql://u:p%40ss@db:5432/reaper?sslmode=verify-full"},
+    {"BROKER_URL": "rediss://:pw@redis:6380/1", "BROKER_KEY_PREFIX": "{reaper}:"},
+    {"KAFKA_BOOTSTRAP_SERVERS": " a:9092 , b:9093 ", "CONFERENCE_ENDED_TOPIC": "x.y-z_1"},
+]
+
+
+def covered() -> set[str]:
+    names = set(INVALID) | set(FREE_TEXT)
+    for env, _ in COMBINATIONS:
+        names |= set(env)
+    return names
+
+
+def test_the_table_covers_every_setting():
+    fields = {name.upper() for name in Settings.model_fields}
+    assert fields - covered() == set(), "add the new settings to the table in tests/test_config.py"
+    assert covered() - fields == set()
+
+
+def all_cases() -> list[tuple[dict[str, str], str]]:
+    cases = [({name: value}, name) for name, values in INVALID.items() for value in values]
+    return cases + COMBINATIONS
+
+
+def case_id(case: tuple[dict[str, str], str]) -> str:
+    env, _ = case
+    return ",".join(f"{k}={v!r}"[:40] for k, v in env.items())
+
+
+def set_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for name in Settings.model_fields:  # only the session's own (conftest) are kept
+        if name not in ("database_url", "broker_url", "broker_key_prefix", "metrics_port"):
+            monkeypatch.delenv(ENV_PREFIX + name.upper(), raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(ENV_PREFIX + name, value)
+
+
+@pytest.mark.parametrize("case", all_cases(), ids=[case_id(c) for c in all_cases()])
+def test_invalid_value_is_refused_with_one_line_naming_it(monkeypatch, case):
+    env, variable = case
+    set_env(monkeypatch, env)
+    with pytest.raises(ConfigError) as refused:
+        load_settings()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert ENV_PREFIX + variable in message
+    assert SECRET not in message
+
+
+@pytest.mark.parametrize("env", VALID, ids=[case_id((v, "")) for v in VALID])
+def test_valid_edge_values_are_accepted(monkeypatch, env):
+    set_env(monkeypatch, env)
+    load_settings()
+
+
+def test_figures(capsys):
+    with capsys.disabled():
+        print(
+            f"\n[figures] config: {len(all_cases())} invalid inputs over "
+            f"{len(Settings.model_fields)} REAPER_* variables refused "
+            f"({sum(map(len, INVALID.values()))} single values, {len(COMBINATIONS)} combinations)"
+        )
+
+
+# A representative subset through the real entry points.
+PROCESS_CASES = [
+    ({"DATABASE_URL": f"postgres://reaper:{SECRET}@db.example/reaper"}, "DATABASE_URL"),
+    ({"BATCH_SIZE": "0"}, "BATCH_SIZE"),
+    ({"POLLING_INTERVAL": "10:00"}, "POLLING_INTERVAL"),
+    ({"BROKER_URL": "amqp://127.0.0.1//"}, "BROKER_URL"),
+    ({"MASS_CLOSURE_SHARE": "1.5"}, "MASS_CLOSURE_SHARE"),
+    ({"LOCK_TTL": "30"}, "LOCK_TTL"),
+    ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "KAFKA_SECURITY_PROTOCOL"),
+    ({"RECORDER_URL": "ftp://recorder"}, "RECORDER_URL"),
+]
+COMMANDS = {
+    "reaper reap --once": [str(BIN / "reaper"), "reap", "--once"],
+    "reaper migrate": [str(BIN / "reaper"), "migrate"],
+    "celery worker -B": [str(BIN / "celery"), "-A", "reaper", "worker", "-B", "-l", "INFO"],
+}
+
+
+def run(command: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    full = {**os.environ, **{ENV_PREFIX + k: v for k, v in env.items()}}
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=full, capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired as exc:  # it started instead of refusing
+        return -1, str(exc.stdout), str(exc.stderr)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_real_entry_points_refuse_bad_config(command):
+    jobs = [(env, variable) for env, variable in PROCESS_CASES]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda c: run(COMMANDS[command], c[0]), jobs))
+    for (env, variable), (code, stdout, stderr) in zip(jobs, results, strict=True):
+        lines = stderr.strip().splitlines()
+        assert code not in (0, -1), (env, code, stderr)
+        assert len(lines) == 1, (env, stderr)
+        assert ENV_PREFIX + variable in lines[0], (env, stderr)
+        assert "Traceback" not in stderr + stdout
+        assert SECRET not in stderr + stdout
