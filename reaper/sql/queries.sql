@@ -28,6 +28,7 @@ SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, true),
 SELECT count(*) FILTER (
            WHERE s.last_activity_at <= :cutoff
              AND s.started_at IS NOT NULL AND s.started_at <= :as_of
+             AND s.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
              AND s.id <> ALL (CAST(:excluded AS uuid[]))) AS eligible,
        count(*) AS active
 FROM messenger.conference_sessions s
