@@ -71,6 +71,8 @@ ended AS (
       AND (s.active_participant_count = 0 OR NOT :require_empty)
       AND s.started_at IS NOT NULL
       AND s.started_at <= :as_of
+      -- duration_seconds is an int: older (or -infinity) would fail the whole batch
+      AND s.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
     RETURNING s.*
 ),
 roster AS (
@@ -143,6 +145,8 @@ UNION ALL
 SELECT 'poison', s.id, s.chat_id, s.deal_id, NULL,
        CASE WHEN s.started_at IS NULL THEN 'Active without started_at'
             WHEN s.started_at > :as_of THEN 'started_at after as_of'
+            WHEN s.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+                THEN 'started_at too far in the past (duration out of range)'
             ELSE 'rejected by the status guard' END
 FROM claimed c
 JOIN messenger.conference_sessions s ON s.id = c.id
