@@ -1,0 +1,292 @@
+"""The reaper against the physical limit: one command, one table.
+
+    .venv/bin/python bench/run.py            # full sizes (100k eligible behind 1M finished)
+    .venv/bin/python bench/run.py --quick    # 10x smaller, a few minutes
+    .venv/bin/python bench/run.py --tiny     # seconds; what tests/test_bench_smoke.py runs
+
+It seeds its own databases (``reaper_bench`` and ``reaper_bench_quiet`` by
+default: dropped and re-created, migrated with ``reaper.db.migrate``), measures
+every figure against its baseline in the same run, and prints one table:
+figure, reaper, baseline, ratio, goal, pass/fail. ``--json PATH`` also writes
+the rows (and the raw numbers) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import baseline, drain, seed  # noqa: E402
+from bench import worker as bench_worker  # noqa: E402
+
+PG = os.environ.get("REAPER_BENCH_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432")
+TOPIC = "pin.messenger.conference-ended.v1"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    eligible: int
+    history: int
+    quiet_small: int
+    relay: int
+    quiet_runs: int
+    repeats: int
+
+
+SIZES = {
+    "full": Sizes(100_000, 1_000_000, 10_000, 50_000, quiet_runs=41, repeats=2),
+    "quick": Sizes(10_000, 100_000, 10_000, 5_000, quiet_runs=31, repeats=2),
+    "tiny": Sizes(600, 3_000, 300, 200, quiet_runs=5, repeats=1),
+}
+
+
+@dataclass
+class Row:
+    figure: str
+    reaper: float | None
+    baseline: float | None
+    unit: str
+    goal: str
+    check: Callable[[float], bool] | None = None
+    ratio: float | None = None
+    passed: bool | None = None
+    note: str = ""
+
+    def settle(self) -> Row:
+        if self.reaper is not None and self.baseline:
+            self.ratio = self.reaper / self.baseline
+        if self.check is not None and self.ratio is not None:
+            self.passed = self.check(self.ratio)
+        return self
+
+
+def fmt(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 100:
+        text = f"{value:,.0f}"
+    elif abs(value) >= 10:
+        text = f"{value:.1f}"
+    else:
+        text = f"{value:.3f}"
+    return f"{text} {unit}".strip()
+
+
+def table(rows: list[Row]) -> str:
+    header = ("figure", "reaper", "baseline", "ratio", "goal", "pass/fail")
+    body = [
+        (
+            r.figure,
+            fmt(r.reaper, r.unit),
+            fmt(r.baseline, r.unit),
+            "-" if r.ratio is None else f"{r.ratio:.2f}x",
+            r.goal,
+            "-" if r.passed is None else ("PASS" if r.passed else "FAIL"),
+        )
+        for r in rows
+    ]
+    widths = [max(len(str(line[i])) for line in [header, *body]) for i in range(len(header))]
+    out = [" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    out.append("-+-".join("-" * w for w in widths))
+    out += [" | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in body]
+    return "\n".join(out)
+
+
+def say(message: str) -> None:
+    print(f"[bench {datetime.now(UTC):%H:%M:%S}] {message}", file=sys.stderr, flush=True)
+
+
+# -- figures -----------------------------------------------------------------
+
+
+def drain_figures(url: str, sizes: Sizes, as_of: datetime, raw: dict) -> list[Row]:
+    rows = []
+    for batch_size in (100, 1000):
+        best: dict[str, float] = {"reaper": 0.0, "baseline": 0.0}
+        outcomes = {}
+        for attempt in range(sizes.repeats):
+            # alternate who goes first, so neither always gets the warmer cache
+            order = ("baseline", "reaper") if attempt % 2 == 0 else ("reaper", "baseline")
+            for side in order:
+                seed.reset_eligible(url)
+                if side == "baseline":
+                    counts, seconds = baseline.drain(url, as_of, batch_size, TOPIC)
+                else:
+                    counts, seconds = drain.reaper_drain(url, as_of, batch_size, sizes.eligible)
+                rooms = sum(counts.values())
+                outcome = drain.outcome(url)
+                if rooms != sizes.eligible or outcome[0] or outcome[1]:
+                    raise RuntimeError(f"{side} left work undone: {counts} {outcome}")
+                outcomes.setdefault(side, outcome)
+                rate = rooms / seconds
+                raw.setdefault("drain", []).append(
+                    {"side": side, "batch_size": batch_size, "rooms": rooms, "seconds": seconds}
+                )
+                say(f"drain b={batch_size} {side}: {rooms} rooms in {seconds:.2f}s = {rate:,.0f}/s")
+                best[side] = max(best[side], rate)
+        if outcomes["reaper"] != outcomes["baseline"]:
+            raise RuntimeError(f"the two sides did different work: {outcomes}")
+        rows.append(
+            Row(
+                f"drain, batch {batch_size} (rooms/s)",
+                best["reaper"],
+                best["baseline"],
+                "",
+                ">= 1.0x",
+                lambda r: r >= 1.0,
+            )
+        )
+    return rows
+
+
+def quiet_figure(big_url: str, small_url: str, sizes: Sizes, as_of: datetime, raw: dict) -> Row:
+    for url in (big_url, small_url):  # warm: connections, plans, caches
+        for _ in range(3):
+            drain.quiet_cycle(url, as_of)
+    big, small = [], []
+    for _ in range(sizes.quiet_runs):  # interleaved, so drift hits both alike
+        big.append(drain.quiet_cycle(big_url, as_of))
+        small.append(drain.quiet_cycle(small_url, as_of))
+    raw["quiet"] = {"big_s": big, "small_s": small}
+    return Row(
+        f"quiet cycle, {sizes.history:,} vs {sizes.quiet_small:,} finished (ms)",
+        statistics.median(big) * 1000,
+        statistics.median(small) * 1000,
+        "",
+        "<= 1.2x",
+        lambda r: r <= 1.2,
+    )
+
+
+def reap_once_figure(url: str, raw: dict) -> Row:
+    env = {**os.environ, "REAPER_DATABASE_URL": url, "REAPER_METRICS_PORT": "0"}
+    reaper_bin = str(Path(sys.executable).parent / "reaper")
+
+    def wall(args: list[str]) -> float:
+        started = time.perf_counter()
+        subprocess.run(
+            args, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        return time.perf_counter() - started
+
+    once = [wall([reaper_bin, "reap", "--once"]) for _ in range(5)]
+    bare = [wall([sys.executable, "-c", "pass"]) for _ in range(5)]
+    raw["reap_once"] = {"reap_once_s": once, "python_c_pass_s": bare}
+    row = Row(
+        "`reaper reap --once`, nothing to do (s)",
+        statistics.median(once),
+        statistics.median(bare),
+        "",
+        "< 1.5 s",
+        note="baseline: `python -c pass`",
+    ).settle()
+    row.passed = row.reaper is not None and row.reaper < 1.5
+    return row
+
+
+def memory_figure(url: str, sizes: Sizes, workdir: Path, raw: dict) -> list[Row]:
+    seed.reset_eligible(url)
+    result = bench_worker.drain(url, workdir, sizes.eligible, batch_size=1000, timeout=900)
+    raw["worker_drain"] = asdict(result)
+    rate = result.rooms / result.seconds
+    say(f"worker drain: {result.rooms} rooms in {result.seconds:.1f}s = {rate:,.0f}/s")
+    return [
+        Row(
+            "worker RSS: peak over the whole drain / over its first half (MiB)",
+            result.peak_kib() / 1024,
+            result.peak_kib(0.5) / 1024,
+            "",
+            "<= 1.1x",
+            lambda r: r <= 1.1,
+        ),
+        Row("worker drain, batch 1000, real worker (rooms/s)", rate, None, "", "(info)"),
+    ]
+
+
+# -- main --------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="10x smaller sizes")
+    mode.add_argument("--tiny", action="store_true", help="smoke-test sizes (seconds)")
+    parser.add_argument("--database", default="reaper_bench", help="name of the bench database")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--drop", action="store_true", help="drop the bench databases at the end")
+    parser.add_argument(
+        "--only", default="drain,quiet,once,memory,relay,e2e", help="comma-separated figures"
+    )
+    args = parser.parse_args(argv)
+    if not args.database.startswith("reaper_bench"):
+        parser.error("--database must start with reaper_bench (it is dropped and re-created)")
+    size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    sizes = SIZES[size_name]
+    only = set(args.only.split(","))
+    big_url = f"{PG}/{args.database}"
+    small_url = f"{PG}/{args.database}_quiet"
+    as_of = datetime.now(UTC).replace(microsecond=0)
+    raw: dict = {"sizes": asdict(sizes), "mode": size_name, "as_of": as_of.isoformat()}
+    rows: list[Row] = []
+    workdir = Path(tempfile.mkdtemp(prefix="reaper-bench-"))
+    drain.log_to(workdir / "reaper-in-process.log")
+    live = max(sizes.eligible // 2, 100)
+    try:
+        started = time.perf_counter()
+        say(f"seeding {size_name}: {sizes.history:,} finished + {live:,} live rooms")
+        seed.recreate(big_url)
+        seed.seed_history(big_url, sizes.history, as_of, live=live)
+        seed.recreate(small_url)
+        seed.seed_history(small_url, sizes.quiet_small, as_of, live=live)
+        say(f"seeded history in {time.perf_counter() - started:.1f}s")
+        if "quiet" in only:
+            rows.append(quiet_figure(big_url, small_url, sizes, as_of, raw).settle())
+        if "once" in only:
+            rows.append(reap_once_figure(big_url, raw))
+        seed.seed_eligible(big_url, sizes.eligible, as_of)
+        if "drain" in only:
+            rows += [r.settle() for r in drain_figures(big_url, sizes, as_of, raw)]
+        if "memory" in only:
+            rows += [r.settle() for r in memory_figure(big_url, sizes, workdir, raw)]
+    finally:
+        if args.drop:
+            seed.drop(big_url)
+            seed.drop(small_url)
+    print(
+        f"\nreaper bench ({size_name}: {sizes.eligible:,} eligible behind {sizes.history:,}"
+        f" finished; quiet {sizes.history:,} vs {sizes.quiet_small:,}; relay {sizes.relay:,})"
+    )
+    print(table(rows))
+    for row in rows:
+        if row.note:
+            print(f"  {row.figure}: {row.note}")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "rows": [{k: v for k, v in asdict(r).items() if k != "check"} for r in rows],
+                    "raw": raw,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Seeding of the benchmark's own database, set-based (INSERT ... SELECT generate_series).
+
+History (finished rooms) is written once. The eligible rooms are kept as a copy
+in the ``bench`` schema, so every drain run starts from the very same rows:
+:func:`reset_eligible` deletes the previous run's rooms (and their outbox rows)
+and inserts the copy again, then vacuums and analyzes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import psycopg2
+from sqlalchemy import create_engine, make_url, text
+
+from reaper.db import migrate
+
+SESSION_COLUMNS = (
+    "id, chat_id, deal_id, tenant_id, media_type, status, end_reason, started_by_user_id,"
+    " created_at, started_at, ended_at, last_activity_at, updated_at,"
+    " active_participant_count, peak_participant_count, duration_seconds"
+)
+
+HISTORY_SESSIONS = f"""
+INSERT INTO messenger.conference_sessions ({SESSION_COLUMNS})
+SELECT md5('h' || g)::uuid, md5('hc' || g)::uuid, md5('hd' || g)::uuid,
+       md5('ht' || (mod(g, 500)))::uuid,
+       CASE WHEN mod(g, 3) = 0 THEN 'Audio' ELSE 'Video' END,
+       CASE WHEN mod(g, 10) = 0 THEN 'Failed' ELSE 'Ended' END,
+       CASE WHEN mod(g, 10) = 0 THEN 'Error' WHEN mod(g, 10) IN (1, 2) THEN 'EmptyTimeout'
+            WHEN mod(g, 10) = 3 THEN 'Timeout' ELSE 'Normal' END,
+       md5('hu' || g)::uuid,
+       t, CASE WHEN mod(g, 10) = 0 THEN NULL ELSE t + interval '5 s' END,
+       t + interval '30 min', t + interval '30 min', t + interval '30 min',
+       0, 2 + mod(g, 5), CASE WHEN mod(g, 10) = 0 THEN NULL ELSE 1795 END
+FROM generate_series(%(first)s, %(last)s) g
+CROSS JOIN LATERAL (
+    SELECT CAST(%(as_of)s AS timestamptz) - interval '1 day' - g * interval '2 s' AS t
+) x
+"""
+
+# Healthy live rooms (people in, recent activity): in the partial index, never
+# eligible; they keep the mass-closure guard's share of Active rooms realistic.
+LIVE_SESSIONS = f"""
+INSERT INTO messenger.conference_sessions ({SESSION_COLUMNS})
+SELECT md5('l' || g)::uuid, md5('lc' || g)::uuid, md5('ld' || g)::uuid,
+       md5('lt' || mod(g, 500))::uuid, 'Video', 'Active', NULL, md5('lu' || g)::uuid,
+       now() - interval '20 min', now() - interval '20 min', NULL,
+       now() + interval '1 hour', now(), 2, 3, NULL
+FROM generate_series(1, %(count)s) g
+"""
+
+HISTORY_PARTICIPANTS = """
+INSERT INTO messenger.conference_participants (conference_id, user_id, joined_at, left_at)
+SELECT md5('h' || g)::uuid, md5('hp' || g || '-' || k)::uuid,
+       t + k * interval '1 min', t + interval '30 min'
+FROM generate_series(%(first)s, %(last)s) g
+CROSS JOIN generate_series(1, 2) k
+CROSS JOIN LATERAL (
+    SELECT CAST(%(as_of)s AS timestamptz) - interval '1 day' - g * interval '2 s' AS t
+) x
+"""
+
+HISTORY_RECORDINGS = """
+INSERT INTO messenger.call_recordings (id, conference_id, status, created_at, updated_at)
+SELECT md5('hr' || g)::uuid, md5('h' || g)::uuid, 'Available', t, t
+FROM generate_series(%(first)s, %(last)s) g
+CROSS JOIN LATERAL (
+    SELECT CAST(%(as_of)s AS timestamptz) - interval '1 day' - g * interval '2 s' AS t
+) x
+WHERE mod(g, 10) = 1
+"""
+
+# The eligible mix, by mod(g, 10): 0-3 empty rooms (Active, nobody in, idle minutes),
+# 4-6 stuck provisioning, 7-9 stale live rooms (Active, people "in", idle hours).
+# Every fifth non-provisioning room has a running recording.
+ELIGIBLE_SEED = """
+DROP SCHEMA IF EXISTS bench CASCADE;
+CREATE SCHEMA bench;
+CREATE TABLE bench.sessions AS
+SELECT md5('e' || g)::uuid AS id, md5('ec' || g)::uuid AS chat_id,
+       md5('ed' || g)::uuid AS deal_id, md5('et' || (mod(g, 500)))::uuid AS tenant_id,
+       CASE WHEN mod(g, 3) = 0 THEN 'Audio' ELSE 'Video' END AS media_type,
+       CASE WHEN mod(g, 10) BETWEEN 4 AND 6 THEN 'Provisioning' ELSE 'Active' END AS status,
+       NULL::text AS end_reason, md5('eu' || g)::uuid AS started_by_user_id,
+       created_at,
+       CASE WHEN mod(g, 10) BETWEEN 4 AND 6 THEN NULL ELSE created_at + interval '5 s' END
+           AS started_at,
+       NULL::timestamptz AS ended_at, last_activity_at, last_activity_at AS updated_at,
+       CASE WHEN mod(g, 10) >= 7 THEN 2 ELSE 0 END AS active_participant_count,
+       2 + mod(g, 3) AS peak_participant_count, NULL::int AS duration_seconds,
+       g
+FROM generate_series(1, %(count)s) g
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN mod(g, 10) <= 3 THEN as_of - interval '1 hour' - g * interval '10 ms'
+                WHEN mod(g, 10) <= 6 THEN as_of - interval '3 min' - g * interval '10 ms'
+                ELSE as_of - interval '6 hours' - g * interval '10 ms' END AS created_at,
+           CASE WHEN mod(g, 10) <= 3 THEN as_of - interval '3 min' - g * interval '10 ms'
+                WHEN mod(g, 10) <= 6 THEN as_of - interval '3 min' - g * interval '10 ms'
+                ELSE as_of - interval '5 hours' - g * interval '10 ms' END AS last_activity_at
+    FROM (SELECT CAST(%(as_of)s AS timestamptz) AS as_of) a
+) x;
+CREATE TABLE bench.participants AS
+SELECT s.id AS conference_id, md5('ep' || s.g || '-' || k)::uuid AS user_id,
+       s.created_at + k * interval '1 s' AS joined_at,
+       CASE WHEN mod(s.g, 10) <= 3 AND k = 1 THEN s.last_activity_at END AS left_at
+FROM bench.sessions s
+CROSS JOIN generate_series(1, 2) k
+WHERE mod(s.g, 10) NOT BETWEEN 4 AND 6 OR k = 1;
+CREATE TABLE bench.recordings AS
+SELECT md5('er' || s.g)::uuid AS id, s.id AS conference_id, 'Recording'::text AS status,
+       s.created_at + interval '10 s' AS created_at
+FROM bench.sessions s
+WHERE mod(s.g, 5) = 0 AND s.status = 'Active';
+"""
+
+RESET_ELIGIBLE = f"""
+SET session_replication_role = replica;
+TRUNCATE messenger.integration_outbox, messenger.realtime_outbox RESTART IDENTITY;
+DELETE FROM messenger.conference_participants
+    WHERE conference_id IN (SELECT id FROM bench.sessions);
+DELETE FROM messenger.call_recordings WHERE conference_id IN (SELECT id FROM bench.sessions);
+DELETE FROM messenger.conference_sessions WHERE id IN (SELECT id FROM bench.sessions);
+INSERT INTO messenger.conference_sessions ({SESSION_COLUMNS})
+    SELECT {SESSION_COLUMNS} FROM bench.sessions ORDER BY g;
+INSERT INTO messenger.conference_participants (conference_id, user_id, joined_at, left_at)
+    SELECT conference_id, user_id, joined_at, left_at FROM bench.participants;
+INSERT INTO messenger.call_recordings (id, conference_id, status, created_at, updated_at)
+    SELECT id, conference_id, status, created_at, created_at FROM bench.recordings;
+SET session_replication_role = DEFAULT;
+"""
+
+CLEAR_ELIGIBLE = """
+SET session_replication_role = replica;
+TRUNCATE messenger.integration_outbox, messenger.realtime_outbox RESTART IDENTITY;
+DELETE FROM messenger.conference_participants
+    WHERE conference_id IN (SELECT id FROM bench.sessions);
+DELETE FROM messenger.call_recordings WHERE conference_id IN (SELECT id FROM bench.sessions);
+DELETE FROM messenger.conference_sessions WHERE id IN (SELECT id FROM bench.sessions);
+SET session_replication_role = DEFAULT;
+"""
+
+TABLES = (
+    "messenger.conference_sessions",
+    "messenger.conference_participants",
+    "messenger.call_recordings",
+    "messenger.integration_outbox",
+    "messenger.realtime_outbox",
+)
+
+
+def dsn(url: str) -> str:
+    """A libpq URL for psycopg2 from the SQLAlchemy one."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def connect(url: str):
+    return psycopg2.connect(dsn(url), application_name="reaper-bench")
+
+
+def recreate(url: str) -> None:
+    """Drop and create the bench database, then migrate it with reaper.db.migrate."""
+    target = make_url(url)
+    name = target.database
+    if not name or not name.startswith("reaper_bench"):
+        raise SystemExit(f"refusing to recreate {name!r}: bench databases are named reaper_bench*")
+    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+    migrate(url)
+
+
+def drop(url: str) -> None:
+    target = make_url(url)
+    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{target.database}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def vacuum(url: str) -> None:
+    conn = connect(url)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f"VACUUM (ANALYZE) {', '.join(TABLES)}")
+    conn.close()
+
+
+def seed_history(
+    url: str, count: int, as_of: datetime, live: int = 0, chunk: int = 250_000
+) -> None:
+    """``count`` finished rooms, two closed roster rows each, a recording on every tenth;
+    ``live`` healthy live rooms."""
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("SET session_replication_role = replica")  # no FK triggers for the seed
+        cur.execute(LIVE_SESSIONS, {"count": live})
+        for first in range(1, count + 1, chunk):
+            params = {"first": first, "last": min(count, first + chunk - 1), "as_of": as_of}
+            for statement in (HISTORY_SESSIONS, HISTORY_PARTICIPANTS, HISTORY_RECORDINGS):
+                cur.execute(statement, params)
+    conn.close()
+    vacuum(url)
+
+
+def seed_eligible(url: str, count: int, as_of: datetime) -> None:
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute(ELIGIBLE_SEED, {"count": count, "as_of": as_of})
+    conn.close()
+
+
+def reset_eligible(url: str) -> None:
+    """Put the eligible rooms back exactly as seeded; empty both outboxes."""
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute(RESET_ELIGIBLE)
+    conn.close()
+    vacuum(url)
+
+
+def clear_eligible(url: str) -> None:
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute(CLEAR_ELIGIBLE)
+    conn.close()
+    vacuum(url)

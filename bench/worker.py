@@ -1,0 +1,174 @@
+"""A real ``celery -A reaper worker`` draining the bench database, its RSS sampled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.seed import connect
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except FileNotFoundError:
+        return []
+    return [int(c) for c in text.split()]
+
+
+def worker_env(url: str, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "REAPER_DATABASE_URL": url,
+        "REAPER_BROKER_KEY_PREFIX": f"reaper-bench-{uuid.uuid4().hex[:8]}:",
+        "REAPER_METRICS_PORT": "0",
+        **extra,
+    }
+
+
+@dataclass
+class Drain:
+    rooms: int
+    seconds: float
+    # (rooms done, RSS of the pool child in KiB), sampled through the drain
+    samples: list[tuple[int, int]] = field(default_factory=list)
+
+    def peak_kib(self, upto_share: float = 1.0) -> int:
+        limit = self.rooms * upto_share
+        return max((rss for done, rss in self.samples if done <= limit), default=0)
+
+
+class Worker:
+    TRACKED = (" ready.", '"cycle.completed"')
+
+    def __init__(self, env: dict[str, str], log_path: Path, beat: bool = False) -> None:
+        self.env = env
+        self.log_path = log_path
+        self._pos = 0
+        self._counts: dict[str, int] = {}
+        args = [str(BIN / "celery"), "-A", "reaper", "worker", "-l", "INFO"]
+        args += ["--concurrency", "1", "--without-gossip", "--without-mingle"]
+        args += ["-n", f"bench-{uuid.uuid4().hex[:6]}@%h"]
+        if beat:
+            args += ["-B", "-s", str(log_path.with_suffix(".schedule"))]
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> Worker:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self.wait_for(" ready.", timeout)
+        return self
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def seen(self, needle: str) -> int:
+        """How often ``needle`` is in the log so far (read incrementally: the log is large)."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self._pos)
+            chunk = log.read()
+        complete = chunk.rfind(b"\n") + 1
+        self._pos += complete
+        for line in chunk[:complete].decode(errors="replace").splitlines():
+            for tracked in self.TRACKED:
+                if tracked in line:
+                    self._counts[tracked] = self._counts.get(tracked, 0) + 1
+        return self._counts.get(needle, 0)
+
+    def wait_for(self, needle: str, timeout: float, count: int = 1) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.seen(needle) >= count:
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{needle!r} x{count} not seen in {timeout}s:\n{self.output()[-3000:]}")
+
+    def pool_pid(self) -> int:
+        assert self.proc is not None
+        kids = children(self.proc.pid)
+        return kids[0] if kids else self.proc.pid
+
+    def call(self, task: str) -> None:
+        subprocess.run(
+            [str(BIN / "celery"), "-A", "reaper", "call", task, "--expires", "120"],
+            cwd=ROOT,
+            env=self.env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def realtime_rows(url: str) -> int:
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM messenger.realtime_outbox")
+        (count,) = cur.fetchone()
+    conn.close()
+    return count
+
+
+def drain(url: str, workdir: Path, expected: int, batch_size: int, timeout: float) -> Drain:
+    """Cycles sent to one running worker until ``expected`` rooms are closed."""
+    env = worker_env(url, REAPER_BATCH_SIZE=str(batch_size))
+    worker = Worker(env, workdir / "worker-drain.log").start()
+    try:
+        # one quiet cycle first: imports, connections and caches are warm
+        worker.call("reaper.reap")
+        worker.wait_for('"cycle.completed"', 60)
+        result = Drain(rooms=expected, seconds=0.0)
+        result.samples.append((0, rss_kib(worker.pool_pid())))  # warm and idle
+        cycles = 1
+        started = time.perf_counter()
+        worker.call("reaper.reap")
+        cycles += 1
+        while True:
+            done = realtime_rows(url)
+            result.samples.append((done, rss_kib(worker.pool_pid())))
+            if done >= expected:
+                break
+            if time.perf_counter() - started > timeout:
+                raise TimeoutError(f"worker drained {done} of {expected} in {timeout}s")
+            if worker.seen('"cycle.completed"') >= cycles:
+                worker.call("reaper.reap")  # the cycle's time was spent: next one
+                cycles += 1
+            time.sleep(0.05)
+        result.seconds = time.perf_counter() - started
+        result.samples.append((expected, rss_kib(worker.pool_pid())))
+        return result
+    finally:
+        worker.stop()
