@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine, create_engine, make_url, text
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 
@@ -37,6 +39,10 @@ def dispose_engines(close: bool = True) -> None:
 
 
 def alembic_config(url: str) -> Config:
+    # Alembic is imported here, not at the top: a reap cycle never needs it and
+    # it is a tenth of a second of every `reaper reap --once` start.
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     # ConfigParser interpolation: a literal % in a password must be doubled.
@@ -63,9 +69,13 @@ def ensure_database(url: str) -> bool:
 
 
 def migrate(url: str, revision: str = "head") -> None:
+    from alembic import command
+
     ensure_database(url)
     command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
+    from alembic import command
+
     command.downgrade(alembic_config(url), revision)
