@@ -4,11 +4,21 @@ Loaded by ``reaper.celery_app``; an invalid environment stops the worker here,
 with one line naming the variable.
 """
 
+from kombu import Queue
+
 from reaper.config import get_settings
 
 _settings = get_settings()
 _interval = _settings.polling_interval.total_seconds()
 _lock_ttl = _settings.lock_ttl.total_seconds()
+_relay_interval = _settings.relay_interval.total_seconds()
+# A relay pass stops claiming at relay_max_pass_duration; the batch in flight
+# then waits at most two Kafka timeouts (metadata + acknowledgements).
+_relay_soft_limit = (
+    _settings.relay_max_pass_duration.total_seconds()
+    + 2 * _settings.kafka_timeout.total_seconds()
+    + 10
+)
 
 broker_url = _settings.broker_url
 broker_connection_retry_on_startup = True
@@ -38,9 +48,16 @@ timezone = "UTC"
 enable_utc = True
 
 task_default_queue = "reaper"
+# The relay has its own queue so a Kafka outage never queues up in front of a
+# reap cycle; `celery -A reaper worker` consumes both (task_queues).
+task_queues = (
+    Queue("reaper", routing_key="reaper"),
+    Queue("reaper.relay", routing_key="reaper.relay"),
+)
 task_routes = {
     "reaper.reap": {"queue": "reaper"},
     "reaper.reap_phase": {"queue": "reaper"},
+    "reaper.relay_outbox": {"queue": "reaper.relay"},
 }
 
 task_annotations = {
@@ -48,6 +65,10 @@ task_annotations = {
     # statement_timeout (MaxRunDuration) fires well before the soft limit.
     "reaper.reap_phase": {"soft_time_limit": _lock_ttl, "time_limit": _lock_ttl + 15},
     "reaper.reap": {"soft_time_limit": 30, "time_limit": 45},
+    "reaper.relay_outbox": {
+        "soft_time_limit": _relay_soft_limit,
+        "time_limit": _relay_soft_limit + 15,
+    },
 }
 
 beat_schedule = {
@@ -56,5 +77,10 @@ beat_schedule = {
         "schedule": _interval,
         # A tick nobody picked up in time is dropped, never replayed in a burst.
         "options": {"expires": max(1.0, _interval * 0.9)},
+    },
+    "relay-outbox": {
+        "task": "reaper.relay_outbox",
+        "schedule": _relay_interval,
+        "options": {"expires": max(1.0, _relay_interval * 0.9)},
     },
 }

@@ -6,7 +6,13 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import after_setup_logger, worker_init, worker_process_init
+from celery.signals import (
+    after_setup_logger,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 
 from reaper import logs
 from reaper.config import get_settings
@@ -40,3 +46,12 @@ def _on_worker_start(**_: Any) -> None:
 def _after_fork(**_: Any) -> None:
     # Connections inherited from the parent must not be used by the child.
     dispose_engines(close=False)
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def _close_kafka_producer(**_: Any) -> None:
+    # Created lazily per process by the relay; flush what is in flight.
+    from reaper.kafka import close_producer
+
+    close_producer()

@@ -20,6 +20,11 @@ from reaper.config import get_settings
 from reaper.cycle import Cycle, Reaper
 from reaper.phases import ORDER, PHASES
 
+from reaper.relay import Relay
+
+# A relay request nobody picked up within this is dropped: the beat tick and
+# the next cycle's request follow anyway.
+RELAY_EXPIRES = 30.0
 
 @cache
 def get_reaper() -> Reaper:
@@ -27,10 +32,20 @@ def get_reaper() -> Reaper:
 
 
 @app.task(name="reaper.reap", bind=True)
+@cache
+def get_relay() -> Relay:
+    return Relay(get_settings())
+
+
 def reap(self: Task, cycle: dict[str, Any] | None = None, as_of: str | None = None) -> Any:
     reaper = get_reaper()
     if cycle is not None:  # the chain's last link
-        return reaper.finish(Cycle.from_json(cycle))
+        result = reaper.finish(Cycle.from_json(cycle))
+        if result["empty_timeout_count"] + result["stale_timeout_count"] > 0:
+            # The cycle wrote integration events: publish them now, not at
+            # the next relay tick.
+            relay_outbox.apply_async(expires=RELAY_EXPIRES)
+        return result
     started = reaper.start(as_of)
     try:
         holder = reaper.lock_holder()
@@ -67,3 +82,9 @@ def reap_phase(
         reaper.run_phase(name, cycle)
         return reaper.finish(cycle)
     return reaper.run_phase(name, Cycle.from_json(carried)).to_json()
+
+
+@app.task(name="reaper.relay_outbox")
+def relay_outbox() -> dict[str, int]:
+    """Publish pending integration_outbox rows to Kafka (see :mod:`reaper.relay`)."""
+    return get_relay().run().to_json()

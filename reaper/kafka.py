@@ -1,0 +1,145 @@
+"""The Kafka producer of this process: one per worker process, created lazily.
+
+The producer owns a sender thread, so it must be created after the prefork
+fork (a thread does not survive into a child) and closed when the process
+ends: ``get_producer`` creates it on first use in the calling process,
+``close_producer`` flushes and closes it (wired to ``worker_process_shutdown``
+and ``worker_shutdown`` in :mod:`reaper.celery_app`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from kafka import KafkaProducer
+
+from reaper.config import Settings
+from reaper.logs import get_logger, log
+
+logger = get_logger("kafka")
+
+
+def producer_config(settings: Settings) -> dict[str, Any]:
+    """The producer's settings: the safest delivery kafka-python offers, bounded waits."""
+    timeout_ms = int(settings.kafka_timeout.total_seconds() * 1000)
+    # delivery >= linger + request timeout is enforced by kafka-python.
+    wait_ms = max(500, timeout_ms // 2)
+    config: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap_servers.split(","),
+        "client_id": f"conference-room-reaper-{os.getpid()}",
+        # Explicit, so that a conflicting setting raises instead of silently
+        # turning idempotence off (STACK-NOTES).
+        "enable_idempotence": True,
+        "acks": "all",
+        "max_in_flight_requests_per_connection": 5,
+        "linger_ms": 5,
+        "batch_size": 256 * 1024,
+        "delivery_timeout_ms": timeout_ms,
+        "request_timeout_ms": wait_ms,
+        # send() waits this long for metadata (an unreachable broker): below the
+        # relay task's soft time limit.
+        "max_block_ms": wait_ms,
+        "bootstrap_timeout_ms": wait_ms,
+        "reconnect_backoff_max_ms": 5_000,
+        # The relay assumes the topic exists (it is provisioned, not guessed).
+        "allow_auto_create_topics": False,
+        "security_protocol": settings.kafka_security_protocol,
+    }
+    if settings.kafka_security_protocol.startswith("SASL_"):
+        config["sasl_mechanism"] = settings.kafka_sasl_mechanism
+        config["sasl_plain_username"] = settings.kafka_sasl_username
+        config["sasl_plain_password"] = (
+            settings.kafka_sasl_password.get_secret_value()
+            if settings.kafka_sasl_password
+            else None
+        )
+    if settings.kafka_security_protocol in ("SSL", "SASL_SSL"):
+        config["ssl_cafile"] = settings.kafka_ssl_cafile
+        config["ssl_certfile"] = settings.kafka_ssl_certfile
+        config["ssl_keyfile"] = settings.kafka_ssl_keyfile
+        config["ssl_check_hostname"] = settings.kafka_ssl_check_hostname
+        if settings.kafka_ssl_password:
+            config["ssl_password"] = settings.kafka_ssl_password.get_secret_value()
+    return config
+
+
+class ProducerSlot:
+    """Holds at most one producer, created on first use in the calling process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._producer: KafkaProducer | None = None
+        self._owner_pid: int | None = None
+
+    def get(self) -> KafkaProducer:
+        """The producer (raises when Kafka is unreachable: nothing is cached then)."""
+        with self._lock:
+            if self._producer is not None and self._owner_pid != os.getpid():
+                # Inherited through a fork: its sender thread stayed in the parent.
+                self._producer = None
+            if self._producer is None:
+                self._producer = KafkaProducer(**producer_config(self.settings))
+                self._owner_pid = os.getpid()
+                log(
+                    logger,
+                    "kafka.producer_created",
+                    bootstrap_servers=self.settings.kafka_bootstrap_servers,
+                    security_protocol=self.settings.kafka_security_protocol,
+                )
+            return self._producer
+
+    def broken(self) -> bool:
+        """True when the producer hit a fatal error and will refuse every record."""
+        producer = self._producer
+        manager = getattr(producer, "_transaction_manager", None)
+        return bool(manager is not None and manager.has_fatal_error())
+
+    def discard(self, reason: str) -> None:
+        """Drop the producer without waiting (Kafka is gone or it is broken); the
+        next ``get`` starts a fresh one, with a new idempotent producer id."""
+        with self._lock:
+            producer, owner = self._producer, self._owner_pid
+            self._producer = self._owner_pid = None
+        if producer is not None and owner == os.getpid():
+            producer.close(timeout=0)
+            log(logger, "kafka.producer_discarded", level=30, reason=reason)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush what is in flight and close; a no-op without a producer of this process."""
+        with self._lock:
+            producer, owner = self._producer, self._owner_pid
+            self._producer = self._owner_pid = None
+        if producer is None or owner != os.getpid():
+            return
+        try:
+            producer.flush(timeout=timeout)
+        except Exception as exc:  # closing anyway: the outbox rows are still pending
+            log(logger, "kafka.flush_failed", level=30, error=type(exc).__name__, detail=str(exc))
+        producer.close(timeout=timeout)
+        log(logger, "kafka.producer_closed")
+
+
+_process_slot: ProducerSlot | None = None
+_slot_lock = threading.Lock()
+
+
+def process_slot(settings: Settings) -> ProducerSlot:
+    """The producer slot of this process (one producer per worker process)."""
+    global _process_slot
+    with _slot_lock:
+        if _process_slot is None:
+            _process_slot = ProducerSlot(settings)
+        return _process_slot
+
+
+def get_producer(settings: Settings) -> KafkaProducer:
+    return process_slot(settings).get()
+
+
+def close_producer(timeout: float = 5.0) -> None:
+    """Flush and close this process's producer, if it has one."""
+    if _process_slot is not None:
+        _process_slot.close(timeout)

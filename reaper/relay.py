@@ -1,0 +1,309 @@
+"""The outbox relay: pending ``integration_outbox`` rows to Kafka (``reaper.relay_outbox``).
+
+One pass claims due rows in batches (``FOR UPDATE SKIP LOCKED``, oldest first),
+produces them and, in the same transaction, marks each row published only
+after Kafka acknowledged that very record. A row that fails gets one attempt
+more, its error and an exponential back-off; later rows of the same message
+key wait behind it, so a deal's events never overtake each other, while other
+keys go on. Killed between the send and the mark, the transaction rolls back
+and the next pass re-sends the same ``eventId`` (at least once; consumers
+dedupe by it).
+
+Per batch, records go out in rounds: the first pending row of every key, then
+(for the keys whose row was acknowledged) the next one, and so on. Within a
+round every key has one record, so one round is sent as a burst and then every
+acknowledgement is awaited; the usual batch (one event per deal) is one round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaConnectionError, KafkaTimeoutError
+from sqlalchemy import Engine, Row
+from sqlalchemy.exc import SQLAlchemyError
+
+from reaper.config import Settings
+from reaper.db import engine_for
+from reaper.kafka import ProducerSlot, process_slot
+from reaper.lock import millis
+from reaper.logs import get_logger, log
+from reaper.queries import Queries
+
+logger = get_logger("relay")
+
+RETENTION_BATCH = 1_000
+RETENTION_MAX_BATCHES = 20
+# Errors meaning "Kafka is not there", not "this record was refused": the pass
+# stops at once instead of waiting out every remaining record.
+UNAVAILABLE = (KafkaTimeoutError, KafkaConnectionError)
+
+
+def describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:500] if text else type(exc).__name__
+
+
+@dataclass
+class RelayResult:
+    published: int = 0
+    failed: int = 0
+    pending: int = 0
+    oldest_pending_age_seconds: float = 0.0
+    deleted: int = 0
+    held_back: int = 0
+    kafka_unavailable: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The task's result (CONTRACT §2)."""
+        return {"published": self.published, "failed": self.failed, "pending": self.pending}
+
+
+@dataclass
+class BatchReport:
+    claimed: int = 0
+    published: list[int] = field(default_factory=list)
+    failures: dict[int, str] = field(default_factory=dict)
+    held_back: int = 0
+    unavailable: BaseException | None = None
+
+
+class Relay:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        engine: Engine | None = None,
+        producers: ProducerSlot | None = None,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine or engine_for(settings.database_url)
+        self.producers = producers or process_slot(settings)
+        self.stop_event = stop_event or threading.Event()
+        self.kafka_timeout = settings.kafka_timeout.total_seconds()
+
+    # -- one pass ----------------------------------------------------------
+
+    def run(self) -> RelayResult:
+        """Batches until one comes back short, Kafka is gone or the pass's time is spent."""
+        started = time.monotonic()
+        deadline = started + self.settings.relay_max_pass_duration.total_seconds()
+        result = RelayResult()
+        while True:
+            try:
+                report = self._batch()
+            except SQLAlchemyError as exc:
+                log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+                break
+            result.published += len(report.published)
+            result.failed += len(report.failures)
+            result.held_back += report.held_back
+            if report.unavailable is not None:
+                result.kafka_unavailable = True
+                break
+            if (
+                report.claimed < self.settings.relay_batch_size
+                or time.monotonic() >= deadline
+                or self.stop_event.is_set()
+            ):
+                break
+        result.deleted = self._retention(deadline)
+        try:
+            with self.engine.connect() as conn:
+                result.pending, result.oldest_pending_age_seconds = Queries(
+                    conn
+                ).outbox_pending_stats()
+        except SQLAlchemyError as exc:
+            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+        log(
+            logger,
+            "relay.completed",
+            published=result.published,
+            failed=result.failed,
+            held_back=result.held_back,
+            pending=result.pending,
+            oldest_pending_age_seconds=round(result.oldest_pending_age_seconds, 3),
+            deleted=result.deleted,
+            kafka_unavailable=result.kafka_unavailable,
+            duration_ms=round((time.monotonic() - started) * 1000),
+        )
+        return result
+
+    # -- one batch: claim, produce, mark, in one transaction ----------------
+
+    def _batch(self) -> BatchReport:
+        report = BatchReport()
+        with self.engine.begin() as conn:
+            queries = Queries(conn)
+            # The transaction waits on Kafka: bound it so a hung relay's row
+            # locks are freed by the server (its rows are then sent again).
+            queries.bound_transaction(
+                idle_ms=millis(self.settings.kafka_timeout) * 2 + 5_000,
+                statement_ms=15_000,
+            )
+            rows = queries.claim_outbox_batch(self.settings.relay_batch_size)
+            report.claimed = len(rows)
+            if not rows:
+                return report
+            producer: KafkaProducer | None = None
+            try:
+                producer = self.producers.get()
+            except Exception as exc:  # no producer: Kafka unreachable or misconfigured
+                report.unavailable = exc
+            else:
+                self._produce(producer, rows, report)
+            if report.unavailable is not None:
+                error = describe(report.unavailable)
+                attempted = set(report.published) | set(report.failures)
+                for row in rows:
+                    if row.id not in attempted:
+                        report.failures[row.id] = error
+                self._log_unavailable(report.unavailable, rows, producer)
+                self.producers.discard(f"Kafka unavailable: {error}")
+            elif self.producers.broken():
+                self.producers.discard("the producer hit a fatal error")
+            if report.published:
+                queries.mark_outbox_published(report.published)
+            if report.failures:
+                queries.mark_outbox_failed(
+                    report.failures,
+                    self.settings.relay_backoff_initial.total_seconds(),
+                    self.settings.relay_backoff_max.total_seconds(),
+                )
+        # committed
+        if report.published:
+            log(logger, "relay.published", count=len(report.published), claimed=report.claimed)
+        if report.failures:
+            log(
+                logger,
+                "relay.batch_failed",
+                level=30,
+                failed=len(report.failures),
+                claimed=report.claimed,
+                error=next(iter(report.failures.values())),
+            )
+        return report
+
+    def _produce(self, producer: KafkaProducer, rows: list[Row], report: BatchReport) -> None:
+        by_key: OrderedDict[str, deque[Row]] = OrderedDict()
+        for row in rows:  # id order, so each key's queue is in commit order
+            by_key.setdefault(row.message_key, deque()).append(row)
+        round_rows = [queue[0] for queue in by_key.values()]
+        while round_rows:
+            sent: list[tuple[Row, Any]] = []
+            for row in round_rows:
+                try:
+                    future = producer.send(
+                        row.topic,
+                        key=row.message_key.encode(),
+                        value=row.value.encode(),
+                        headers=[
+                            ("event-id", row.event_id.encode()),
+                            ("event-type", (row.event_type or "").encode()),
+                            ("correlation-id", (row.correlation_id or "").encode()),
+                        ],
+                    )
+                except UNAVAILABLE as exc:  # metadata wait: no broker, or no such topic
+                    report.unavailable = exc
+                    break
+                except Exception as exc:  # this record refused (too large, bad topic name)
+                    self._row_failed(row, exc, report)
+                    continue
+                sent.append((row, future))
+            acked = self._await(sent, report)
+            if report.unavailable is not None:
+                return
+            round_rows = []
+            for row in acked:
+                queue = by_key[row.message_key]
+                queue.popleft()
+                if queue:
+                    round_rows.append(queue[0])
+        # keys whose row failed keep the rest of their rows for a later pass
+        report.held_back = sum(len(q) - 1 for q in by_key.values() if q)
+
+    def _await(self, sent: list[tuple[Row, Any]], report: BatchReport) -> list[Row]:
+        """Every acknowledgement of a round, within one delivery timeout."""
+        deadline = time.monotonic() + self.kafka_timeout + 1.0
+        acked = []
+        for row, future in sent:
+            try:
+                future.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
+                self._row_failed(row, exc, report)
+                if isinstance(exc, UNAVAILABLE):
+                    report.unavailable = exc
+            else:
+                report.published.append(row.id)
+                acked.append(row)
+        return acked
+
+    def _row_failed(self, row: Row, exc: BaseException, report: BatchReport) -> None:
+        report.failures[row.id] = describe(exc)
+        if isinstance(exc, UNAVAILABLE):
+            return  # one line for the whole batch, see _log_unavailable
+        log(
+            logger,
+            "relay.row_failed",
+            level=30,
+            event_id=row.event_id,
+            message_key=row.message_key,
+            topic=row.topic,
+            attempts=row.attempts + 1,
+            error=describe(exc),
+        )
+
+    def _log_unavailable(
+        self, exc: BaseException, rows: list[Row], producer: KafkaProducer | None
+    ) -> None:
+        metadata = getattr(producer, "_metadata", None)
+        if metadata is not None and metadata.brokers():
+            # The brokers answer but know no partitions of the topic: it does
+            # not exist (the relay never creates topics).
+            missing = sorted(
+                {row.topic for row in rows if metadata.partitions_for_topic(row.topic) is None}
+            )
+            for topic in missing:
+                log(
+                    logger,
+                    "relay.topic_missing",
+                    level=40,
+                    topic=topic,
+                    reason=f"Kafka has no topic {topic!r}; create it (the relay never does)",
+                )
+            if missing:
+                return
+        log(
+            logger,
+            "relay.kafka_unavailable",
+            level=40,
+            bootstrap_servers=self.settings.kafka_bootstrap_servers,
+            error=describe(exc),
+            rows=len(rows),
+        )
+
+    # -- retention ---------------------------------------------------------
+
+    def _retention(self, deadline: float) -> int:
+        """Delete published rows older than the retention, a small batch per transaction."""
+        cutoff = datetime.now(UTC) - self.settings.outbox_retention
+        deleted = 0
+        try:
+            for _ in range(RETENTION_MAX_BATCHES):
+                with self.engine.begin() as conn:
+                    count = Queries(conn).delete_published_outbox(cutoff, RETENTION_BATCH)
+                deleted += count
+                if count < RETENTION_BATCH or time.monotonic() >= deadline:
+                    break
+        except SQLAlchemyError as exc:
+            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+        if deleted:
+            log(logger, "relay.retention_deleted", count=deleted, cutoff=cutoff)
+        return deleted

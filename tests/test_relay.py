@@ -1,0 +1,573 @@
+"""The outbox relay against real PostgreSQL and a real Kafka-protocol broker (Tansu)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from kafka import KafkaProducer
+from sqlalchemy import Engine, text
+
+from reaper.config import Settings
+from reaper.cycle import Reaper
+from reaper.kafka import ProducerSlot, producer_config
+from reaper.relay import Relay
+from tests import factory as f
+from tests.conftest import ROOT, free_port
+from tests.factory import T0
+from tests.kafkatools import Tansu, create_topic, read_topic
+
+
+def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
+    return [r.fields for r in caplog.records if getattr(r, "event", None) == name]
+
+
+@pytest.fixture
+def topic(kafka_broker: str) -> str:
+    """A topic of this test alone on the session's broker."""
+    name = f"test.conference-ended.{uuid.uuid4().hex[:10]}"
+    create_topic(kafka_broker, name)
+    return name
+
+
+def relay_settings(database_url: str, bootstrap: str, topic: str, **overrides) -> Settings:
+    values = {
+        "database_url": database_url,
+        "kafka_bootstrap_servers": bootstrap,
+        "conference_ended_topic": topic,
+        "kafka_timeout": timedelta(seconds=4),
+        "relay_backoff_initial": timedelta(milliseconds=200),
+        "relay_backoff_max": timedelta(seconds=1),
+        **overrides,
+    }
+    return Settings(**values)
+
+
+@pytest.fixture
+def rsettings(database_url: str, kafka_broker: str, topic: str) -> Settings:
+    return relay_settings(database_url, kafka_broker, topic)
+
+
+class Producers:
+    """Producer slots of the test's relays, closed at the end of the test."""
+
+    def __init__(self) -> None:
+        self.slots: list[ProducerSlot] = []
+
+    def slot(self, settings: Settings) -> ProducerSlot:
+        self.slots.append(ProducerSlot(settings))
+        return self.slots[-1]
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.close(timeout=2)
+
+
+@pytest.fixture
+def producers() -> Iterator[Producers]:
+    made = Producers()
+    yield made
+    made.close()
+
+
+def make_relay(settings: Settings, engine: Engine, producers: Producers, **kwargs) -> Relay:
+    return Relay(settings, engine=engine, producers=producers.slot(settings), **kwargs)
+
+
+def reap(settings: Settings, engine: Engine, as_of: datetime = T0) -> dict:
+    return Reaper(settings, engine=engine, clock=lambda: as_of).run_cycle(as_of)
+
+
+def outbox_rows(engine: Engine) -> list[dict]:
+    with engine.connect() as conn:
+        return f.outbox(conn)
+
+
+def add_outbox_row(conn, *, topic: str, key: str, payload: dict | None = None) -> str:
+    event_id = str(uuid.uuid4())
+    value = payload or {"eventId": event_id, "eventType": "test", "correlationId": "c"}
+    conn.execute(
+        text(
+            "INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload)"
+            " VALUES (:e, :t, :k, CAST(:p AS jsonb))"
+        ),
+        {"e": event_id, "t": topic, "k": key, "p": json.dumps(value)},
+    )
+    return event_id
+
+
+# -- reap, then relay ---------------------------------------------------------
+
+
+def test_reaped_conference_reaches_kafka_as_the_contract_event(
+    rsettings, engine, producers, topic, kafka_broker, caplog
+):
+    caplog.set_level(logging.INFO, "reaper")
+    with engine.begin() as conn:
+        room = f.conference(conn, idle=timedelta(seconds=91), peak_participant_count=3)
+        alice = f.participant(
+            conn,
+            room["id"],
+            joined_at=T0 - timedelta(minutes=20),
+            left_at=T0 - timedelta(minutes=2),
+        )
+        rec = f.recording(conn, room["id"], status="Available")
+        stale = f.conference(conn, idle=timedelta(hours=5), age=timedelta(hours=6), participants=1)
+        failed = f.conference(conn, status="Provisioning", age=timedelta(minutes=3))
+        f.conference(conn, idle=timedelta(seconds=10))  # within the grace: stays
+    cycle = reap(rsettings, engine)
+    assert (cycle["empty_timeout_count"], cycle["stale_timeout_count"]) == (1, 1)
+    assert cycle["provision_failed_count"] == 1
+
+    result = make_relay(rsettings, engine, producers).run()
+    assert result.to_json() == {"published": 2, "failed": 0, "pending": 0}
+
+    records = read_topic(kafka_broker, topic, expect=2)
+    assert len(records) == 2, "exactly one record per ended conference"
+    by_conf = {r.value["payload"]["conferenceId"]: r for r in records}
+    assert set(by_conf) == {room["id"], stale["id"]}
+    assert failed["id"] not in by_conf
+    rows = {str(r["event_id"]): r for r in outbox_rows(engine)}
+
+    record = by_conf[room["id"]]
+    row = rows[record.event_id]
+    assert record.key == room["deal_id"] == row["message_key"]
+    assert record.headers == {
+        "event-id": record.event_id,
+        "event-type": "pin.messenger.conference-ended.v1",
+        "correlation-id": cycle["run_id"],
+    }
+    assert record.value == {
+        "eventId": record.event_id,
+        "eventType": "pin.messenger.conference-ended.v1",
+        "occurredAt": "2026-12-02T10:00:00Z",
+        "correlationId": cycle["run_id"],
+        "aggregateId": room["deal_id"],
+        "payload": {
+            "conferenceId": room["id"],
+            "chatId": room["chat_id"],
+            "dealId": room["deal_id"],
+            "tenantId": room["tenant_id"],
+            "mediaType": "Video",
+            "status": "Ended",
+            "endReason": "EmptyTimeout",
+            "startedByUserId": room["started_by_user_id"],
+            "startedAt": "2026-12-02T09:30:05Z",
+            "endedAt": "2026-12-02T10:00:00Z",
+            "durationSeconds": 1795,
+            "peakParticipantCount": 3,
+            "participants": [
+                {
+                    "userId": alice["user_id"],
+                    "joinedAt": "2026-12-02T09:40:00Z",
+                    "leftAt": "2026-12-02T09:58:00Z",
+                }
+            ],
+            "wasRecorded": True,
+            "recordingId": rec["id"],
+        },
+    }
+    assert record.value == row["payload"]
+    assert by_conf[stale["id"]].value["payload"]["endReason"] == "Timeout"
+    assert by_conf[stale["id"]].key == stale["deal_id"]
+
+    for row in rows.values():
+        assert row["published_at"] is not None and row["attempts"] == 1
+    assert events(caplog, "relay.completed")[-1]["published"] == 2
+
+    # A second pass has nothing left to send.
+    again = make_relay(rsettings, engine, producers).run()
+    assert again.to_json() == {"published": 0, "failed": 0, "pending": 0}
+    assert len(read_topic(kafka_broker, topic, expect=3, timeout=2)) == 2
+
+
+def test_events_of_one_deal_arrive_in_commit_order(
+    rsettings, engine, producers, topic, kafka_broker
+):
+    deal = f.new_id()
+    other = f.new_id()
+    expected = []
+    # five conferences of one deal, each ended by its own cycle, interleaved with another deal
+    for i in range(5):
+        as_of = T0 + timedelta(minutes=i)
+        with engine.begin() as conn:
+            room = f.conference(conn, as_of=as_of, idle=timedelta(minutes=2), deal_id=deal)
+            f.conference(conn, as_of=as_of, idle=timedelta(minutes=2), deal_id=other)
+        reap(rsettings, engine, as_of)
+        expected.append(room["id"])
+    result = make_relay(rsettings, engine, producers).run()
+    assert result.published == 10
+    records = read_topic(kafka_broker, topic, expect=10)
+    mine = [r for r in records if r.key == deal]
+    assert len({r.partition for r in mine}) == 1
+    mine.sort(key=lambda r: r.offset)
+    assert [r.value["payload"]["conferenceId"] for r in mine] == expected
+
+
+def test_a_refused_row_holds_back_its_key_while_other_keys_go_on(
+    rsettings, engine, producers, topic, kafka_broker, caplog
+):
+    caplog.set_level(logging.INFO, "reaper")
+    with engine.begin() as conn:
+        # An illegal topic name: the producer refuses the record.
+        first = add_outbox_row(conn, topic="no such topic!", key="deal-a")
+        second = add_outbox_row(conn, topic=topic, key="deal-a")
+        other = add_outbox_row(conn, topic=topic, key="deal-b")
+    relay = make_relay(rsettings, engine, producers)
+
+    result = relay.run()
+    assert (result.published, result.failed, result.pending, result.held_back) == (1, 1, 2, 1)
+    rows = {str(r["event_id"]): r for r in outbox_rows(engine)}
+    assert rows[other]["published_at"] is not None
+    assert rows[first]["published_at"] is None and rows[first]["attempts"] == 1
+    assert "illegal" in rows[first]["last_error"]
+    assert rows[first]["next_attempt_at"] > datetime.now(UTC)
+    assert rows[second]["published_at"] is None and rows[second]["attempts"] == 0
+    [failed] = events(caplog, "relay.row_failed")
+    assert failed["event_id"] == first and failed["message_key"] == "deal-a"
+
+    # While the first row backs off, the second one still waits behind it.
+    assert relay.run().published == 0
+    assert outbox_rows(engine)[1]["published_at"] is None
+
+    # Fixed and due again: both go, in order.
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE messenger.integration_outbox SET topic = :t, next_attempt_at = now()"
+                " WHERE event_id = :e"
+            ),
+            {"t": topic, "e": first},
+        )
+    assert relay.run().to_json() == {"published": 2, "failed": 0, "pending": 0}
+    records = read_topic(kafka_broker, topic, expect=3)
+    deal_a = sorted((r for r in records if r.key == "deal-a"), key=lambda r: r.offset)
+    assert [r.event_id for r in deal_a] == [first, second]
+    assert outbox_rows(engine)[0]["attempts"] == 2
+
+
+def test_backoff_grows_and_is_capped(rsettings, engine, producers):
+    with engine.begin() as conn:
+        add_outbox_row(conn, topic="bad topic!", key="k")
+    relay = make_relay(rsettings, engine, producers)
+    delays = []
+    for _ in range(5):
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = NULL"))
+        before = datetime.now(UTC)
+        relay.run()
+        [row] = outbox_rows(engine)
+        delays.append((row["next_attempt_at"] - before).total_seconds())
+    assert row["attempts"] == 5
+    # 0.2, 0.4, 0.8, then the 1 s cap
+    assert 0.15 < delays[0] < 0.6 and delays[1] > delays[0] and delays[2] > delays[1]
+    assert all(d < 1.6 for d in delays) and delays[4] > 0.9
+
+
+# -- Kafka down ---------------------------------------------------------------
+
+
+def test_broker_down_then_back_drains_everything(database_url, engine, producers, caplog):
+    caplog.set_level(logging.INFO, "reaper")
+    broker = Tansu().start()
+    try:
+        topic = "pin.messenger.conference-ended.v1"
+        create_topic(broker.bootstrap, topic)
+        settings = relay_settings(database_url, broker.bootstrap, topic)
+        relay = make_relay(settings, engine, producers)
+        with engine.begin() as conn:
+            f.conference(conn, idle=timedelta(minutes=5))
+        reap(settings, engine)
+        assert relay.run().published == 1  # the producer is connected
+
+        broker.stop()
+        with engine.begin() as conn:
+            rooms = [f.conference(conn, idle=timedelta(minutes=5)) for _ in range(3)]
+        reap(settings, engine, T0 + timedelta(minutes=1))
+        started = time.monotonic()
+        down = relay.run()
+        elapsed = time.monotonic() - started
+        assert (down.published, down.failed, down.pending) == (0, 3, 3)
+        assert down.kafka_unavailable and down.oldest_pending_age_seconds > 0
+        assert elapsed < 3 * settings.kafka_timeout.total_seconds()  # fails fast, generously
+        pending = [r for r in outbox_rows(engine) if r["published_at"] is None]
+        assert len(pending) == 3
+        assert all(r["attempts"] == 1 and r["last_error"] for r in pending)
+        assert events(caplog, "relay.kafka_unavailable")
+
+        broker.start()  # same port, empty memory storage
+        create_topic(broker.bootstrap, topic)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if relay.run().pending == 0:
+                break
+            time.sleep(0.3)
+        rows = outbox_rows(engine)
+        assert all(r["published_at"] is not None for r in rows)
+        records = read_topic(broker.bootstrap, topic, expect=3)
+        conferences = Counter(r.value["payload"]["conferenceId"] for r in records)
+        assert {room["id"] for room in rooms} <= set(conferences)
+        assert {str(r["event_id"]) for r in rows[1:]} <= {r.event_id for r in records}
+    finally:
+        broker.stop()
+
+
+def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
+    database_url, engine, producers, caplog
+):
+    caplog.set_level(logging.INFO, "reaper")
+    settings = relay_settings(
+        database_url, f"127.0.0.1:{free_port()}", "t", kafka_timeout=timedelta(seconds=2)
+    )
+    with engine.begin() as conn:
+        for i in range(3):
+            add_outbox_row(conn, topic="t", key=f"k{i}")
+    started = time.monotonic()
+    result = make_relay(settings, engine, producers).run()
+    assert time.monotonic() - started < 10
+    assert result.to_json() == {"published": 0, "failed": 3, "pending": 3}
+    rows = outbox_rows(engine)
+    assert all(r["published_at"] is None and r["attempts"] == 1 for r in rows)
+    assert all("KafkaTimeoutError" in r["last_error"] for r in rows)
+    [line] = events(caplog, "relay.kafka_unavailable")
+    assert line["rows"] == 3
+    # backing off: the next pass does not even try
+    assert make_relay(settings, engine, producers).run().failed == 0
+
+
+# -- at least once, never twice in a pass --------------------------------------
+
+KILLED_RELAY = """
+import os, sys
+from reaper.config import Settings
+from reaper.queries import Queries
+from reaper.relay import Relay
+
+def killed(self, ids):
+    os._exit(137)  # sent and acknowledged, never marked
+
+Queries.mark_outbox_published = killed
+Relay(Settings()).run()
+"""
+
+
+def test_relay_killed_between_send_and_mark_resends_the_same_event(
+    rsettings, engine, producers, topic, kafka_broker
+):
+    with engine.begin() as conn:
+        f.conference(conn, idle=timedelta(minutes=5))
+    reap(rsettings, engine)
+    env = {
+        **os.environ,
+        "REAPER_DATABASE_URL": rsettings.database_url,
+        "REAPER_KAFKA_BOOTSTRAP_SERVERS": rsettings.kafka_bootstrap_servers,
+        "REAPER_KAFKA_TIMEOUT": "4",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_RELAY], cwd=ROOT, env=env, capture_output=True, timeout=60
+    )
+    assert proc.returncode == 137, proc.stderr.decode()[-2000:]
+    [row] = outbox_rows(engine)
+    assert row["published_at"] is None and row["attempts"] == 0
+    assert len(read_topic(kafka_broker, topic, expect=1)) == 1  # it did reach Kafka
+
+    assert make_relay(rsettings, engine, producers).run().published == 1
+    records = read_topic(kafka_broker, topic, expect=2)
+    assert [r.event_id for r in records] == [str(row["event_id"])] * 2
+    assert len({r.event_id for r in records}) == 1  # what a deduplicating consumer keeps
+
+
+def test_two_relays_at_once_publish_each_row_once(
+    database_url, engine, producers, topic, kafka_broker
+):
+    settings = relay_settings(database_url, kafka_broker, topic, relay_batch_size=25)
+    deal = f.new_id()
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, 300)
+        same_deal = [
+            f.conference(conn, idle=timedelta(minutes=5, seconds=-i), deal_id=deal)["id"]
+            for i in range(8)
+        ]
+    reap(settings, engine)
+    rows = outbox_rows(engine)
+    assert len(rows) == 308
+    barrier = threading.Barrier(2)
+    results = []
+
+    def run() -> None:
+        relay = make_relay(settings, engine, producers)
+        barrier.wait()
+        results.append(relay.run())
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sum(r.published for r in results) == 308
+    assert all(r.published > 0 for r in results), "both relays took part"
+    records = read_topic(kafka_broker, topic, expect=308)
+    counts = Counter(r.event_id for r in records)
+    assert len(counts) == 308 and max(counts.values()) == 1
+    ordered = sorted((r for r in records if r.key == deal), key=lambda r: r.offset)
+    by_event = {str(r["event_id"]): r["id"] for r in rows}
+    assert [by_event[r.event_id] for r in ordered] == sorted(by_event[r.event_id] for r in ordered)
+    assert [r.value["payload"]["conferenceId"] for r in ordered] == same_deal
+
+
+# -- retention -----------------------------------------------------------------
+
+
+def test_retention_deletes_old_published_rows_in_batches(rsettings, engine, producers, caplog):
+    caplog.set_level(logging.INFO, "reaper")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                """
+                INSERT INTO messenger.integration_outbox
+                  (event_id, topic, message_key, payload, created_at, published_at, attempts)
+                SELECT gen_random_uuid(), 't', 'k' || g, '{}',
+                       now() - make_interval(days => d.days),
+                       CASE WHEN d.published THEN now() - make_interval(days => d.days) END,
+                       CASE WHEN d.published THEN 1 ELSE 0 END
+                FROM generate_series(1, :n) g
+                CROSS JOIN (VALUES (8, true), (6, true)) AS d(days, published)
+                """
+            ),
+            {"n": 2500},
+        )
+        add_outbox_row(conn, topic="bad topic!", key="old-but-pending")
+        conn.execute(
+            text(
+                "UPDATE messenger.integration_outbox SET created_at = now() - interval '30 days'"
+                " WHERE message_key = 'old-but-pending'"
+            )
+        )
+    result = make_relay(rsettings, engine, producers).run()
+    assert result.deleted == 2500
+    with engine.connect() as conn:
+        left = conn.execute(
+            text(
+                "SELECT count(*) FILTER (WHERE published_at < now() - interval '7 days'),"
+                " count(*) FILTER (WHERE published_at IS NULL), count(*)"
+                " FROM messenger.integration_outbox"
+            )
+        ).one()
+    assert tuple(left) == (0, 1, 2501)
+    assert events(caplog, "relay.retention_deleted")[0]["count"] == 2500
+
+
+# -- the producer ----------------------------------------------------------------
+
+
+def test_producer_keeps_idempotence_and_full_acks(rsettings):
+    config = producer_config(rsettings)
+    assert config["enable_idempotence"] is True and config["acks"] == "all"
+    assert config["max_block_ms"] < rsettings.relay_max_pass_duration.total_seconds() * 1000
+    producer = KafkaProducer(**config)
+    try:
+        # kafka-python silently drops idempotence on a conflicting setting
+        assert producer.config["enable_idempotence"] is True
+        assert producer.config["acks"] == -1
+    finally:
+        producer.close(timeout=2)
+
+
+def test_producer_security_settings_are_passed(tmp_path, database_url):
+    cafile = tmp_path / "ca.pem"
+    cafile.write_text("x")
+    settings = Settings(
+        database_url=database_url,
+        kafka_security_protocol="SASL_SSL",
+        kafka_sasl_mechanism="SCRAM-SHA-512",
+        kafka_sasl_username="reaper",
+        kafka_sasl_password="s3cret",
+        kafka_ssl_cafile=str(cafile),
+    )
+    config = producer_config(settings)
+    assert config["security_protocol"] == "SASL_SSL"
+    assert (config["sasl_mechanism"], config["sasl_plain_username"]) == ("SCRAM-SHA-512", "reaper")
+    assert config["sasl_plain_password"] == "s3cret"
+    assert (config["ssl_cafile"], config["ssl_check_hostname"]) == (str(cafile), True)
+    assert "s3cret" not in repr(settings)
+    plain = producer_config(Settings(database_url=database_url))
+    assert plain["security_protocol"] == "PLAINTEXT" and "sasl_mechanism" not in plain
+
+
+FORKED_SEND = """
+import os, sys
+from reaper.config import Settings
+from reaper.kafka import get_producer, close_producer
+
+settings = Settings()
+parent = get_producer(settings)
+parent.send(sys.argv[1], key=b"parent", value=b"{}").get(timeout=10)
+pid = os.fork()
+if pid == 0:
+    child = get_producer(settings)
+    assert child is not parent, "the child must not reuse the parent's producer"
+    child.send(sys.argv[1], key=b"child", value=b"{}").get(timeout=10)
+    close_producer()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert get_producer(settings) is parent
+close_producer()
+assert get_producer(settings) is not parent
+close_producer()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_one_producer_per_process_created_after_the_fork(rsettings, topic, kafka_broker):
+    env = {
+        **os.environ,
+        "REAPER_DATABASE_URL": rsettings.database_url,
+        "REAPER_KAFKA_BOOTSTRAP_SERVERS": kafka_broker,
+        "REAPER_KAFKA_TIMEOUT": "4",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED_SEND, topic],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert sorted(r.key for r in read_topic(kafka_broker, topic, expect=2)) == ["child", "parent"]
+
+
+# -- figures ---------------------------------------------------------------------
+
+
+def test_relay_throughput_figures(database_url, engine, producers, topic, kafka_broker):
+    """Prints the relay's events/second on this machine (no timing assertion)."""
+    settings = relay_settings(database_url, kafka_broker, topic)
+    count = 5_000
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, count)
+    reap(settings.model_copy(update={"batch_size": 1000}), engine)
+    relay = make_relay(settings, engine, producers)
+    relay.producers.get()  # connect outside the measurement
+    started = time.perf_counter()
+    published = 0
+    while published < count:
+        result = relay.run()
+        assert result.failed == 0
+        published += result.published
+    elapsed = time.perf_counter() - started
+    assert published == count
+    assert len(read_topic(kafka_broker, topic, expect=count, timeout=60, settle=0.2)) == count
+    print(
+        f"\n[figures] relay: {count} events in {elapsed:.2f} s = {count / elapsed:,.0f} events/s "
+        f"(batch {settings.relay_batch_size}, Tansu memory broker, acks=all, idempotent)"
+    )
