@@ -17,6 +17,10 @@ from celery.signals import (
 from reaper import logs
 from reaper.config import get_settings
 from reaper.db import dispose_engines
+from reaper.observability import prepare
+
+# Before the tasks (and so any metric) are imported: metrics mode, Flower auth.
+prepare()
 
 app = Celery("reaper", include=["reaper.tasks"])
 app.config_from_object("celeryconfig")

@@ -52,10 +52,14 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
             level=30,
             reason="REAPER_RECORDER_URL is unset: no recording stop signals will be sent",
         )
+    from reaper import tracing
+
+    tracing.configure()  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else off
     cycle = reaper.start(args.as_of)
     for name in _phases():
         reaper.run_phase(name, cycle)
     result = reaper.finish(cycle)
+    tracing.shutdown()  # flush
     _print(result, as_json=args.json)
     if cycle.blocked:
         print(
@@ -64,6 +68,54 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 1 if cycle.errors else 0
+
+
+def _database_failed(settings: Settings, exc: Exception) -> int:
+    from sqlalchemy import make_url
+
+    from reaper.overview import safe_url
+
+    detail = (str(getattr(exc, "orig", exc)).strip().splitlines() or [""])[0]
+    password = make_url(settings.database_url).password
+    if password:  # the driver does not echo it; make sure
+        detail = detail.replace(str(password), "***")
+    print(
+        f"reaper: database {safe_url(settings.database_url)} failed: "
+        f"{type(exc).__name__}: {detail}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper.cycle import utcnow
+    from reaper.db import engine_for
+    from reaper.overview import format_status, status
+
+    try:
+        data = status(engine_for(settings.database_url), settings, utcnow())
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    print(json.dumps(data, sort_keys=True) if args.json else format_status(data))
+    return 0
+
+
+def cmd_plan(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper.cycle import parse_time, utcnow
+    from reaper.db import engine_for
+    from reaper.overview import format_plan, plan
+
+    as_of = parse_time(args.as_of) if args.as_of else utcnow()
+    try:
+        data = plan(engine_for(settings.database_url), settings, as_of, args.limit)
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    print(json.dumps(data, sort_keys=True) if args.json else format_plan(data))
+    return 0
 
 
 def _phases() -> Sequence[str]:
@@ -100,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
         "of the active conferences",
     )
     reap.set_defaults(handler=cmd_reap)
+
+    status = sub.add_parser(
+        "status", help="per phase: eligible now and oldest; outbox backlog; the run lock"
+    )
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(handler=cmd_status)
+
+    plan = sub.add_parser(
+        "plan", help="dry run: what the next cycle would close, per phase, and why"
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON")
+    plan.add_argument("--as-of", help="the cycle's moment, RFC 3339 (default: now)")
+    plan.add_argument(
+        "--limit", type=int, default=100, help="conferences listed per phase (default 100)"
+    )
+    plan.set_defaults(handler=cmd_plan)
     return parser
 
 

@@ -130,6 +130,8 @@ class Settings(BaseSettings):
     recorder_url: Annotated[str, AfterValidator(_url("http", "https"))] | None = None
     recorder_timeout: Duration = timedelta(seconds=2)
     metrics_port: int = Field(9808, ge=0, le=65535)
+    # Where the worker's /metrics listens (0.0.0.0: reachable by Prometheus in a container).
+    metrics_address: str = Field("0.0.0.0", min_length=1)
     # Mass-closure guard of stale_live: a cycle that would end more than this
     # share of the Active conferences, and more than the floor, ends nothing.
     # A presence outage looks exactly like that. 1 turns the guard off.

@@ -9,6 +9,7 @@ cycle in-process with :meth:`Reaper.run_cycle`, the Celery tasks run
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,10 +19,12 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from reaper import metrics, tracing
 from reaper.config import Settings
 from reaper.db import engine_for
 from reaper.lock import millis, run_lock
 from reaper.logs import get_logger, log
+from reaper.overview import refresh_gauges
 from reaper.phases import ORDER, PHASES, STALE_LIVE, BatchOutcome, Phase, reap_batch
 from reaper.queries import Queries
 from reaper.recorder import RecorderClient
@@ -149,6 +152,13 @@ class Reaper:
     def finish(self, cycle: Cycle) -> dict[str, Any]:
         result = cycle.result(self.clock())
         log(logger, "cycle.completed", **result, errors=cycle.errors)
+        metrics.cycle_finished(
+            skipped=cycle.skipped,
+            failed=cycle.errors > 0,
+            duration_seconds=result["duration_ms"] / 1000,
+        )
+        tracing.cycle_span(cycle, result, self.clock())
+        refresh_gauges(self.engine, self.settings, self.clock())  # active_backlog, outbox
         return result
 
     def run_cycle(
@@ -162,6 +172,7 @@ class Reaper:
 
     # -- one phase ---------------------------------------------------------
 
+    @tracing.phase_span
     def run_phase(self, name: str, cycle: Cycle) -> Cycle:
         """Batches of one phase until one comes back short or the cycle's time is spent.
 
@@ -179,6 +190,7 @@ class Reaper:
                 self._drain(phase, cycle)
         except SQLAlchemyError as exc:
             cycle.errors += 1
+            metrics.errors()
             log(
                 logger,
                 "phase.failed",
@@ -246,6 +258,7 @@ class Reaper:
             if short or self.clock() >= cycle.deadline or self.stop_event.is_set():
                 break
         cycle.counts["skipped_locked_count"] += len(locked)
+        metrics.skipped_locked(len(locked))
         log(
             logger,
             "phase.completed",
@@ -258,6 +271,7 @@ class Reaper:
         )
 
     def _batch(self, phase: Phase, cycle: Cycle) -> BatchOutcome:
+        start_ns = time.time_ns()
         with self.engine.begin() as conn:
             queries = Queries(conn)
             queries.bound_transaction(
@@ -276,6 +290,11 @@ class Reaper:
         cycle.counts[phase.count_key] += len(outcome.reaped)
         cycle.counts["failed_count"] += len(outcome.poison)
         cycle.excluded.extend(p.conference_id for p in outcome.poison)
+        metrics.items_closed(
+            phase.name, phase.outcome, [item.lateness_seconds for item in outcome.reaped]
+        )
+        metrics.errors(len(outcome.poison))
+        tracing.conference_spans(phase, cycle, outcome, start_ns, time.time_ns())
         log(
             logger,
             "batch.selected",

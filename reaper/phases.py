@@ -51,6 +51,9 @@ class Reaped:
     chat_id: str
     deal_id: str
     duration_seconds: int | None
+    tenant_id: str | None = None
+    # ended_at minus the moment the room became eligible (the SLO's measure)
+    lateness_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,14 @@ def reap_batch(
         conference_id = str(row.conference_id)
         if row.kind == "reaped":
             outcome.reaped.append(
-                Reaped(conference_id, str(row.chat_id), str(row.deal_id), row.duration_seconds)
+                Reaped(
+                    conference_id,
+                    str(row.chat_id),
+                    str(row.deal_id),
+                    row.duration_seconds,
+                    str(row.tenant_id),
+                    row.lateness_seconds,
+                )
             )
         elif row.kind == "poison":
             outcome.poison.append(Poison(conference_id, row.detail))

@@ -137,3 +137,46 @@ class Queries:
         return _run(
             self.conn, "delete_published_outbox", cutoff=cutoff, batch_size=batch_size
         ).rowcount
+
+    # -- operations: metrics, reaper status / plan ----------------------------
+
+    def eligible_census(
+        self,
+        *,
+        as_of: datetime,
+        empty_cutoff: datetime,
+        provision_cutoff: datetime,
+        stale_cutoff: datetime,
+    ) -> Row:
+        return _run(
+            self.conn,
+            "eligible_census",
+            as_of=as_of,
+            empty_cutoff=empty_cutoff,
+            provision_cutoff=provision_cutoff,
+            stale_cutoff=stale_cutoff,
+        ).one()
+
+    def plan_candidates(
+        self,
+        *,
+        as_of: datetime,
+        empty_cutoff: datetime,
+        provision_cutoff: datetime,
+        stale_cutoff: datetime,
+        per_phase: int,
+    ) -> list[Row]:
+        return list(
+            _run(
+                self.conn,
+                "plan_candidates",
+                as_of=as_of,
+                empty_cutoff=empty_cutoff,
+                provision_cutoff=provision_cutoff,
+                stale_cutoff=stale_cutoff,
+                per_phase=per_phase,
+            )
+        )
+
+    def backend_activity(self, pid: int) -> Row | None:
+        return _run(self.conn, "backend_activity", pid=pid).one_or_none()

@@ -15,28 +15,29 @@ from typing import Any
 from celery import Task, chain
 from sqlalchemy.exc import SQLAlchemyError
 
+from reaper import metrics
 from reaper.celery_app import app
 from reaper.config import get_settings
 from reaper.cycle import Cycle, Reaper
 from reaper.phases import ORDER, PHASES
-
 from reaper.relay import Relay
 
 # A relay request nobody picked up within this is dropped: the beat tick and
 # the next cycle's request follow anyway.
 RELAY_EXPIRES = 30.0
 
+
 @cache
 def get_reaper() -> Reaper:
     return Reaper(get_settings())
 
 
-@app.task(name="reaper.reap", bind=True)
 @cache
 def get_relay() -> Relay:
     return Relay(get_settings())
 
 
+@app.task(name="reaper.reap", bind=True)
 def reap(self: Task, cycle: dict[str, Any] | None = None, as_of: str | None = None) -> Any:
     reaper = get_reaper()
     if cycle is not None:  # the chain's last link
@@ -51,6 +52,7 @@ def reap(self: Task, cycle: dict[str, Any] | None = None, as_of: str | None = No
         holder = reaper.lock_holder()
     except SQLAlchemyError:
         started.errors += 1
+        metrics.errors()
         return reaper.finish(started)
     if holder is not None:
         return reaper.finish(reaper.skip(started, holder))

@@ -11,6 +11,7 @@
 --   kind            'reaped' | 'poison' | 'locked' | 'stop'
 --   conference_id, chat_id, deal_id, duration_seconds
 --   detail          poison: why; stop: the recording id; otherwise null
+--   tenant_id, lateness_seconds   reaped (tenant also poison); otherwise null
 
 -- name: try_run_lock
 -- The single-runner lock, held until the end of the calling transaction.
@@ -138,8 +139,13 @@ realtime AS (
            now()
     FROM ended e
 )
+-- lateness_seconds: ended_at minus the moment the room became eligible
+-- (last_activity_at + window = last_activity_at + as_of - cutoff).
 SELECT 'reaped' AS kind, e.id AS conference_id, e.chat_id, e.deal_id, e.duration_seconds,
-       NULL::text AS detail
+       NULL::text AS detail, e.tenant_id,
+       CASE WHEN isfinite(e.last_activity_at)
+            THEN extract(epoch FROM CAST(:cutoff AS timestamptz) - e.last_activity_at)::float8
+       END AS lateness_seconds
 FROM ended e
 UNION ALL
 SELECT 'poison', s.id, s.chat_id, s.deal_id, NULL,
@@ -147,16 +153,17 @@ SELECT 'poison', s.id, s.chat_id, s.deal_id, NULL,
             WHEN s.started_at > :as_of THEN 'started_at after as_of'
             WHEN s.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
                 THEN 'started_at too far in the past (duration out of range)'
-            ELSE 'rejected by the status guard' END
+            ELSE 'rejected by the status guard' END,
+       s.tenant_id, NULL
 FROM claimed c
 JOIN messenger.conference_sessions s ON s.id = c.id
 WHERE NOT EXISTS (SELECT 1 FROM ended e WHERE e.id = c.id)
 UNION ALL
-SELECT 'locked', v.id, NULL, NULL, NULL, NULL
+SELECT 'locked', v.id, NULL, NULL, NULL, NULL, NULL, NULL
 FROM visible v
 WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.id = v.id)
 UNION ALL
-SELECT 'stop', r.conference_id, NULL, NULL, NULL, r.id::text
+SELECT 'stop', r.conference_id, NULL, NULL, NULL, r.id::text, NULL, NULL
 FROM messenger.call_recordings r
 JOIN ended e ON e.id = r.conference_id
 WHERE r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL;
@@ -211,18 +218,21 @@ realtime AS (
     FROM failed f
 )
 SELECT 'reaped' AS kind, f.id AS conference_id, f.chat_id, f.deal_id, f.duration_seconds,
-       NULL::text AS detail
+       NULL::text AS detail, f.tenant_id,
+       CASE WHEN isfinite(f.created_at)
+            THEN extract(epoch FROM CAST(:cutoff AS timestamptz) - f.created_at)::float8
+       END AS lateness_seconds
 FROM failed f
 UNION ALL
-SELECT 'poison', c.id, NULL, NULL, NULL, 'rejected by the status guard'
+SELECT 'poison', c.id, NULL, NULL, NULL, 'rejected by the status guard', NULL, NULL
 FROM claimed c
 WHERE NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = c.id)
 UNION ALL
-SELECT 'locked', v.id, NULL, NULL, NULL, NULL
+SELECT 'locked', v.id, NULL, NULL, NULL, NULL, NULL, NULL
 FROM visible v
 WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.id = v.id)
 UNION ALL
-SELECT 'stop', r.conference_id, NULL, NULL, NULL, r.id::text
+SELECT 'stop', r.conference_id, NULL, NULL, NULL, r.id::text, NULL, NULL
 FROM messenger.call_recordings r
 JOIN failed f ON f.id = r.conference_id
 WHERE r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL;
@@ -316,3 +326,92 @@ WHERE id IN (
     ORDER BY published_at
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED);
+
+-- name: eligible_census
+-- What the next cycle would select, per phase, with the phases' own
+-- predicates; each conference counted once, in the first phase that selects
+-- it (a terminal transition hides it from the later ones). The sum is
+-- messenger_conf_reaper_active_backlog. *_since: when the oldest one became
+-- eligible (its last_activity_at or created_at plus the window).
+SELECT count(*) FILTER (WHERE w.phase = 'empty_room') AS empty_room,
+       min(w.eligible_since) FILTER (WHERE w.phase = 'empty_room') AS empty_room_since,
+       count(*) FILTER (WHERE w.phase = 'provision_timeout') AS provision_timeout,
+       min(w.eligible_since) FILTER (WHERE w.phase = 'provision_timeout')
+           AS provision_timeout_since,
+       count(*) FILTER (WHERE w.phase = 'stale_live') AS stale_live,
+       min(w.eligible_since) FILTER (WHERE w.phase = 'stale_live') AS stale_live_since,
+       -- rows the Active phases' status guard would reject (end_active_batch)
+       count(*) FILTER (WHERE w.phase = 'empty_room' AND w.poison) AS empty_room_poison,
+       count(*) FILTER (WHERE w.phase = 'stale_live' AND w.poison) AS stale_live_poison,
+       count(*) FILTER (WHERE s.status = 'Active') AS active
+FROM messenger.conference_sessions s
+CROSS JOIN LATERAL (
+    SELECT CASE
+             WHEN s.status = 'Active' AND s.active_participant_count = 0
+                  AND s.last_activity_at <= :empty_cutoff THEN 'empty_room'
+             WHEN s.status = 'Provisioning' AND s.created_at <= :provision_cutoff
+                  THEN 'provision_timeout'
+             WHEN s.status = 'Active' AND s.last_activity_at <= :stale_cutoff THEN 'stale_live'
+           END AS phase,
+           CASE
+             WHEN s.status = 'Active' AND s.active_participant_count = 0
+                  AND s.last_activity_at <= :empty_cutoff
+                  THEN s.last_activity_at + (CAST(:as_of AS timestamptz) - :empty_cutoff)
+             WHEN s.status = 'Provisioning' AND s.created_at <= :provision_cutoff
+                  THEN s.created_at + (CAST(:as_of AS timestamptz) - :provision_cutoff)
+             WHEN s.status = 'Active' AND s.last_activity_at <= :stale_cutoff
+                  THEN s.last_activity_at + (CAST(:as_of AS timestamptz) - :stale_cutoff)
+           END AS eligible_since,
+           s.status = 'Active' AND (
+               s.started_at IS NULL OR s.started_at > :as_of
+               OR s.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+           ) AS poison
+) w
+WHERE s.status IN ('Provisioning', 'Active');
+
+-- name: plan_candidates
+-- reaper plan: the conferences of eligible_census (same predicates, same
+-- phase assignment), oldest first, at most :per_phase per phase. poison: why
+-- the phase's status guard would reject it (end_active_batch's rules).
+WITH candidates AS (
+    SELECT s.id, s.chat_id, s.deal_id, s.tenant_id, s.status, s.created_at, s.started_at,
+           s.last_activity_at, s.active_participant_count,
+           CASE
+             WHEN s.status = 'Active' AND s.active_participant_count = 0
+                  AND s.last_activity_at <= :empty_cutoff THEN 'empty_room'
+             WHEN s.status = 'Provisioning' AND s.created_at <= :provision_cutoff
+                  THEN 'provision_timeout'
+             WHEN s.status = 'Active' AND s.last_activity_at <= :stale_cutoff THEN 'stale_live'
+           END AS phase
+    FROM messenger.conference_sessions s
+    WHERE s.status IN ('Provisioning', 'Active')
+),
+ranked AS (
+    SELECT c.*,
+           row_number() OVER (
+               PARTITION BY c.phase
+               ORDER BY CASE WHEN c.phase = 'provision_timeout' THEN c.created_at
+                             ELSE c.last_activity_at END, c.id) AS rank
+    FROM candidates c
+    WHERE c.phase IS NOT NULL
+)
+SELECT r.phase, r.id AS conference_id, r.chat_id, r.deal_id, r.tenant_id, r.status,
+       r.created_at, r.started_at, r.last_activity_at, r.active_participant_count,
+       CASE
+         WHEN r.phase = 'provision_timeout' THEN NULL
+         WHEN r.started_at IS NULL THEN 'Active without started_at'
+         WHEN r.started_at > :as_of THEN 'started_at after as_of'
+         WHEN r.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+             THEN 'started_at too far in the past (duration out of range)'
+       END AS poison
+FROM ranked r
+WHERE r.rank <= :per_phase
+ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], r.phase), r.rank;
+
+-- name: backend_activity
+-- Who a backend pid is (reaper status: the lock holder).
+SELECT a.pid, a.application_name, a.client_addr::text AS client_addr, a.state,
+       a.backend_start, a.xact_start,
+       extract(epoch FROM clock_timestamp() - a.xact_start) AS xact_age_seconds
+FROM pg_stat_activity a
+WHERE a.pid = :pid;

@@ -1,0 +1,275 @@
+"""What the operator sees: ``reaper status``, ``reaper plan`` and the database gauges.
+
+Read-only. The census and the plan use the phases' own predicates and phase
+order (``eligible_census`` / ``plan_candidates`` in ``sql/queries.sql``), and
+the plan applies the mass-closure guard's rule, so ``reaper plan`` lists what
+the next cycle at the same moment would close.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from reaper import metrics
+from reaper.config import Settings
+from reaper.lock import holder
+from reaper.logs import get_logger, log
+from reaper.phases import ORDER, PHASES, Phase
+from reaper.queries import Queries
+
+logger = get_logger("overview")
+
+# Read-only statements of an operator command or a scrape: never hang.
+STATEMENT_MS = 10_000
+
+
+def rfc3339(value: datetime | None) -> str | None:
+    from reaper.cycle import rfc3339 as fmt
+
+    return fmt(value) if value is not None else None
+
+
+def human(seconds: float) -> str:
+    """90 -> '1m30s', 14400 -> '4h'."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return "".join(parts[:2])
+
+
+def safe_url(url: str) -> str:
+    """The database URL without its password."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
+    return {
+        "empty_cutoff": PHASES["empty_room"].cutoff(settings, as_of),
+        "provision_cutoff": PHASES["provision_timeout"].cutoff(settings, as_of),
+        "stale_cutoff": PHASES["stale_live"].cutoff(settings, as_of),
+    }
+
+
+@dataclass(frozen=True)
+class PhaseCensus:
+    phase: str
+    eligible: int
+    poison: int
+    oldest_eligible_since: datetime | None
+    window: timedelta
+
+    def overdue(self, as_of: datetime) -> float | None:
+        if self.oldest_eligible_since is None:
+            return None
+        return max(0.0, (as_of - self.oldest_eligible_since).total_seconds())
+
+
+@dataclass(frozen=True)
+class Census:
+    as_of: datetime
+    phases: dict[str, PhaseCensus]
+    active: int
+
+    @property
+    def backlog(self) -> int:
+        return sum(p.eligible for p in self.phases.values())
+
+
+def _read(queries: Queries) -> Queries:
+    queries.bound_transaction(idle_ms=STATEMENT_MS, statement_ms=STATEMENT_MS)
+    return queries
+
+
+def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
+    row = queries.eligible_census(as_of=as_of, **cutoffs(settings, as_of))._mapping
+    phases = {
+        name: PhaseCensus(
+            phase=name,
+            eligible=int(row[name]),
+            poison=int(row.get(f"{name}_poison", 0) or 0),
+            oldest_eligible_since=row[f"{name}_since"],
+            window=PHASES[name].window(settings),
+        )
+        for name in ORDER
+    }
+    return Census(as_of, phases, int(row["active"]))
+
+
+def refresh_gauges(engine: Engine, settings: Settings, now: datetime) -> Census | None:
+    """active_backlog and the outbox gauges, measured now; None if the database failed."""
+    try:
+        with engine.begin() as conn:
+            queries = _read(Queries(conn))
+            result = census(queries, settings, now)
+            pending, oldest = queries.outbox_pending_stats()
+    except SQLAlchemyError as exc:
+        log(logger, "metrics.refresh_failed", level=30, error=type(exc).__name__)
+        return None
+    metrics.set_backlog(result.backlog)
+    metrics.set_outbox(pending, oldest)
+    return result
+
+
+# -- reaper status -----------------------------------------------------------
+
+
+def status(engine: Engine, settings: Settings, now: datetime) -> dict[str, Any]:
+    with engine.begin() as conn:
+        queries = _read(Queries(conn))
+        result = census(queries, settings, now)
+        pending, oldest = queries.outbox_pending_stats()
+    pid = holder(engine)
+    lock: dict[str, Any] = {"held": pid is not None, "holder_pid": pid}
+    if pid is not None:
+        with engine.connect() as conn:
+            activity = Queries(conn).backend_activity(pid)
+        if activity is not None:
+            lock["holder"] = {
+                "application_name": activity.application_name,
+                "client_addr": activity.client_addr,
+                "state": activity.state,
+                "transaction_age_seconds": _round(activity.xact_age_seconds),
+            }
+    return {
+        "as_of": rfc3339(now),
+        "database": safe_url(settings.database_url),
+        "phases": {
+            name: {
+                "eligible": p.eligible,
+                "window_seconds": p.window.total_seconds(),
+                "oldest_eligible_since": rfc3339(p.oldest_eligible_since),
+                "oldest_overdue_seconds": _round(p.overdue(now)),
+            }
+            for name, p in result.phases.items()
+        },
+        "active_backlog": result.backlog,
+        "outbox": {"pending": pending, "oldest_pending_age_seconds": _round(oldest)},
+        "lock": lock,
+    }
+
+
+def _round(value: Any) -> float | None:
+    return None if value is None else round(float(value), 3)
+
+
+def format_status(data: dict[str, Any]) -> str:
+    lines = [f"as of {data['as_of']}  database {data['database']}", ""]
+    lines.append(f"{'phase':<18} {'eligible':>8}  oldest overdue")
+    for name, p in data["phases"].items():
+        overdue = p["oldest_overdue_seconds"]
+        since = p["oldest_eligible_since"]
+        oldest = "-" if overdue is None else f"{human(overdue)} (eligible since {since})"
+        lines.append(f"{name:<18} {p['eligible']:>8}  {oldest}")
+    lines.append(f"{'active backlog':<18} {data['active_backlog']:>8}")
+    lines.append("")
+    outbox = data["outbox"]
+    age = human(outbox["oldest_pending_age_seconds"] or 0) if outbox["pending"] else "-"
+    lines.append(f"{'outbox pending':<18} {outbox['pending']:>8}  oldest {age}")
+    lock = data["lock"]
+    if lock["held"]:
+        who = lock.get("holder") or {}
+        detail = ", ".join(
+            f"{k} {v}" for k, v in who.items() if v is not None and k != "transaction_age_seconds"
+        )
+        age = who.get("transaction_age_seconds")
+        since = f", for {human(age)}" if age is not None else ""
+        pid = lock["holder_pid"]
+        lines.append(f"{'run lock':<18} held by backend pid {pid} ({detail}{since})")
+    else:
+        lines.append(f"{'run lock':<18} free")
+    return "\n".join(lines)
+
+
+# -- reaper plan -------------------------------------------------------------
+
+
+def _reason(phase: Phase, row: Any, settings: Settings, as_of: datetime) -> str:
+    window = human(phase.window(settings).total_seconds())
+    if phase.name == "provision_timeout":
+        age = human((as_of - row.created_at).total_seconds())
+        return f"Provisioning for {age} (timeout {window})"
+    idle = human((as_of - row.last_activity_at).total_seconds())
+    if phase.name == "empty_room":
+        return f"empty, no activity for {idle} (grace {window})"
+    return (
+        f"no presence activity for {idle} with {row.active_participant_count} "
+        f"participant(s) (timeout {window})"
+    )
+
+
+def plan(engine: Engine, settings: Settings, as_of: datetime, per_phase: int) -> dict[str, Any]:
+    with engine.begin() as conn:
+        queries = _read(Queries(conn))
+        counted = census(queries, settings, as_of)
+        rows = queries.plan_candidates(as_of=as_of, per_phase=per_phase, **cutoffs(settings, as_of))
+    phases: dict[str, dict[str, Any]] = {}
+    for name in ORDER:
+        p = counted.phases[name]
+        phases[name] = {
+            "becomes": f"{PHASES[name].status}/{PHASES[name].end_reason}",
+            "eligible": p.eligible,
+            "would_close": p.eligible - p.poison,
+            "would_fail": p.poison,
+            "blocked": None,
+            "truncated": p.eligible > per_phase,
+            "conferences": [],
+        }
+    # The mass-closure guard runs after empty_room has committed (cycle.py).
+    stale = phases["stale_live"]
+    active_after = counted.active - phases["empty_room"]["would_close"]
+    share, floor = settings.mass_closure_share, settings.mass_closure_floor
+    if stale["would_close"] > floor and stale["would_close"] > share * active_after:
+        stale["blocked"] = (
+            f"mass-closure guard: {stale['would_close']} of {active_after} active "
+            f"(share {share}, floor {floor}); `reaper reap --once --allow-mass-closure` ends them"
+        )
+        stale["would_close"] = 0
+    for row in rows:
+        phase = PHASES[row.phase]
+        phases[row.phase]["conferences"].append(
+            {
+                "conference_id": str(row.conference_id),
+                "chat_id": str(row.chat_id),
+                "deal_id": str(row.deal_id),
+                "tenant_id": str(row.tenant_id),
+                "status": row.status,
+                "reason": _reason(phase, row, settings, as_of),
+                "last_activity_at": rfc3339(row.last_activity_at),
+                "created_at": rfc3339(row.created_at),
+                "active_participant_count": row.active_participant_count,
+                "would_fail": row.poison,
+            }
+        )
+    return {
+        "as_of": rfc3339(as_of),
+        "phases": phases,
+        "would_close": sum(p["would_close"] for p in phases.values()),
+    }
+
+
+def format_plan(data: dict[str, Any]) -> str:
+    lines = [f"plan for a cycle at {data['as_of']} (nothing is changed)"]
+    for name, p in data["phases"].items():
+        head = f"\n{name} -> {p['becomes']}: {p['would_close']} would close" + (
+            f", {p['would_fail']} would fail the status guard" if p["would_fail"] else ""
+        )
+        lines.append(head)
+        if p["blocked"]:
+            lines.append(f"  BLOCKED by the {p['blocked']}")
+        for c in p["conferences"]:
+            note = f"  [would fail: {c['would_fail']}]" if c["would_fail"] else ""
+            lines.append(f"  {c['conference_id']}  deal {c['deal_id']}  {c['reason']}{note}")
+        if p["truncated"]:
+            lines.append(f"  ... {p['eligible'] - len(p['conferences'])} more (--limit)")
+    lines.append(f"\ntotal: {data['would_close']} would close")
+    return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""Prometheus metrics (CONTRACT §9): in-process values, and the real prefork worker's /metrics."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+import urllib.request
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import create_engine, text
+
+from reaper import metrics
+from reaper.cycle import Reaper
+from reaper.overview import refresh_gauges
+from tests import factory as f
+from tests.conftest import free_port
+from tests.factory import T0
+from tests.processes import ROOT, Worker
+
+CELERY = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "celery")
+
+
+def value(name: str, **labels: str) -> float:
+    return metrics.sample(name, labels)
+
+
+def snapshot() -> dict[str, float]:
+    names = {
+        "completed": ("messenger_conf_reaper_run_total", {"result": "completed"}),
+        "skipped": ("messenger_conf_reaper_run_total", {"result": "skipped"}),
+        "failed": ("messenger_conf_reaper_run_total", {"result": "failed"}),
+        "empty": ("messenger_conf_reaper_items_total", {"outcome": "empty_timeout"}),
+        "provision": ("messenger_conf_reaper_items_total", {"outcome": "provision_failed"}),
+        "stale": ("messenger_conf_reaper_items_total", {"outcome": "stale_timeout"}),
+        "errors": ("messenger_conf_reaper_errors_total", {}),
+        "skip_locked": ("messenger_conf_reaper_skip_locked_total", {}),
+        "cycles_timed": ("messenger_conf_reaper_cycle_duration_seconds_count", {}),
+        "late_empty_n": (
+            "messenger_conf_reaper_closing_lateness_seconds_count",
+            {"phase": "empty_room"},
+        ),
+        "late_empty_sum": (
+            "messenger_conf_reaper_closing_lateness_seconds_sum",
+            {"phase": "empty_room"},
+        ),
+        "late_prov_sum": (
+            "messenger_conf_reaper_closing_lateness_seconds_sum",
+            {"phase": "provision_timeout"},
+        ),
+        "late_stale_sum": (
+            "messenger_conf_reaper_closing_lateness_seconds_sum",
+            {"phase": "stale_live"},
+        ),
+        "late_le_30": (
+            "messenger_conf_reaper_closing_lateness_seconds_bucket",
+            {"phase": "empty_room", "le": "30.0"},
+        ),
+    }
+    return {key: value(name, **labels) for key, (name, labels) in names.items()}
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before if after[k] != before[k]}
+
+
+def test_a_cycle_counts_items_lateness_errors_and_measures_the_backlog(settings, engine):
+    with engine.begin() as conn:
+        f.conference(conn, idle=timedelta(seconds=100))  # 10 s late
+        f.conference(conn, idle=timedelta(seconds=130))  # 40 s late
+        f.conference(conn, status="Provisioning", age=timedelta(minutes=3))  # 60 s late
+        f.conference(conn, idle=timedelta(hours=5), participants=2)  # 1 h late
+        poison = f.conference(conn, idle=timedelta(seconds=100), started_at=None)
+        f.conference(conn, idle=timedelta(seconds=30))  # within the grace
+    before = snapshot()
+    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    assert result["failed_count"] == 1
+    assert delta(before, snapshot()) == {
+        "completed": 1,
+        "empty": 2,
+        "provision": 1,
+        "stale": 1,
+        "errors": 1,  # the poison row
+        "cycles_timed": 1,
+        "late_empty_n": 2,
+        "late_empty_sum": pytest.approx(50.0),
+        "late_prov_sum": pytest.approx(60.0),
+        "late_stale_sum": pytest.approx(3600.0),
+        "late_le_30": 1,
+    }
+    # Refreshed at the end of the cycle: only the poison row is still past its window.
+    assert value("messenger_conf_reaper_active_backlog") == 1
+    assert value("messenger_outbox_pending") == 3  # two empty rooms + one stale
+    assert value("messenger_outbox_oldest_pending_age_seconds") >= 0
+    with engine.connect() as conn:
+        assert f.session_row(conn, poison["id"])["status"] == "Active"
+
+
+def test_a_skipped_cycle_is_counted_as_skipped_and_not_timed(settings, engine):
+    before = snapshot()
+    with engine.connect() as holder_conn, holder_conn.begin():
+        holder_conn.execute(
+            text(
+                "SELECT pg_advisory_xact_lock("
+                "hashtextextended('messenger.conference-room-reaper', 0))"
+            )
+        )
+        result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    assert result["skipped"] is True
+    assert delta(before, snapshot()) == {"skipped": 1}
+
+
+def test_a_database_outage_counts_a_failed_run_and_its_errors(settings, caplog):
+    caplog.set_level(logging.INFO, "reaper")
+    dead = create_engine("postgresql+psycopg2://postgres@127.0.0.1:1/nowhere")
+    before = snapshot()
+    result = Reaper(settings, engine=dead, clock=lambda: T0).run_cycle(T0)
+    assert result["skipped"] is False
+    assert delta(before, snapshot()) == {"failed": 1, "errors": 3, "cycles_timed": 1}
+    assert "metrics.refresh_failed" in [getattr(r, "event", None) for r in caplog.records]
+
+
+def test_rows_held_by_a_command_are_counted_as_skip_locked(settings, engine):
+    with engine.begin() as conn:
+        held = f.conference(conn, idle=timedelta(seconds=100))
+        f.conference(conn, idle=timedelta(seconds=100))
+    before = snapshot()
+    with engine.connect() as command, command.begin():
+        command.execute(
+            text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
+            {"id": held["id"]},
+        )
+        result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    assert result["skipped_locked_count"] == 1
+    assert delta(before, snapshot())["skip_locked"] == 1
+
+
+def test_relay_functions_and_gauges(settings, engine):
+    before = value("messenger_outbox_relay_published_total")
+    metrics.relay_published(3)
+    metrics.relay_published(0)
+    assert value("messenger_outbox_relay_published_total") == before + 3
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload,"
+                " created_at) VALUES (gen_random_uuid(), 't', 'k', '{}', now() - interval '90 s')"
+            )
+        )
+    census = refresh_gauges(engine, settings, T0)
+    assert census is not None and census.backlog == 0
+    assert value("messenger_outbox_pending") == 1
+    assert 89 < value("messenger_outbox_oldest_pending_age_seconds") < 600
+
+
+def test_every_contract_metric_is_exported():
+    exposed = {m.name for m in metrics.registry().collect()}
+    # prometheus_client strips _total from counter family names
+    exposed |= {f"{name}_total" for name in exposed}
+    assert set(metrics.EXPORTED) <= exposed
+
+
+# -- the real worker -----------------------------------------------------------
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        body = response.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            key = s.name + (
+                "{" + ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items())) + "}"
+                if s.labels
+                else ""
+            )
+            samples[key] = s.value
+    return samples
+
+
+def call_reap() -> str:
+    return subprocess.run(
+        [CELERY, "-A", "reaper", "call", "reaper.reap", "--expires", "60"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+
+
+def test_prefork_worker_serves_whole_counts_across_replaced_children(
+    engine, tmp_path, kafka_broker
+):
+    """Children recycled after every task: the counts of dead children must stay, once."""
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    (metrics_dir / "counter_999999.db").write_bytes(b"left over by an earlier worker")
+    port = free_port()
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        for _ in range(3):
+            f.conference(conn, as_of=now, idle=timedelta(minutes=5))
+        f.conference(conn, as_of=now, status="Provisioning", age=timedelta(minutes=5))
+    worker = Worker(
+        tmp_path,
+        {
+            "REAPER_METRICS_PORT": str(port),
+            "REAPER_METRICS_ADDRESS": "127.0.0.1",
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+            "REAPER_KAFKA_BOOTSTRAP_SERVERS": kafka_broker,
+            "REAPER_POLLING_INTERVAL": "3600",
+        },
+        beat=False,
+        extra_args=("--max-tasks-per-child", "1"),
+    ).start()
+    try:
+        assert not (metrics_dir / "counter_999999.db").exists()  # wiped at start
+        first = scrape(port)
+        assert first['messenger_conf_reaper_run_total{result="completed"}'] == 0
+        cycles = 3
+        for n in range(1, cycles + 1):
+            task_id = call_reap()
+            worker.wait_for(
+                lambda out, t=task_id: f"reaper.reap[{t}] succeeded" in out, 60, f"cycle {n}"
+            )
+        time.sleep(0.5)
+        samples = scrape(port)
+    finally:
+        assert worker.stop() == 0
+    assert samples['messenger_conf_reaper_run_total{result="completed"}'] == cycles
+    assert samples['messenger_conf_reaper_run_total{result="skipped"}'] == 0
+    assert samples['messenger_conf_reaper_items_total{outcome="empty_timeout"}'] == 3
+    assert samples['messenger_conf_reaper_items_total{outcome="provision_failed"}'] == 1
+    assert samples['messenger_conf_reaper_items_total{outcome="stale_timeout"}'] == 0
+    assert samples["messenger_conf_reaper_cycle_duration_seconds_count"] == cycles
+    assert samples['messenger_conf_reaper_closing_lateness_seconds_count{phase="empty_room"}'] == 3
+    assert samples["messenger_conf_reaper_active_backlog"] == 0
+    assert samples["messenger_conf_reaper_errors_total"] == 0
+    assert "messenger_outbox_pending" in samples
+    # served once, by the parent; several short-lived children counted
+    assert worker.output().count("metrics.serving") == 1
+    assert len(list(metrics_dir.glob("counter_*.db"))) >= 3
+    assert not any(k.startswith("flower_") for k in samples)
