@@ -1,8 +1,9 @@
 """Best-effort stop signal to the media stack's recorder (CONTRACT §8).
 
 Called after a batch commits; it never raises, never undoes a transition, and
-bounds its own time: each call has the recorder timeout and calls run a few at
-a time.
+bounds its own time: each call has the recorder timeout, the calls of a batch
+run side by side, and the whole batch's signals get at most two timeouts (a
+black-holed recorder must not hold the phase for batch/parallelism x timeout).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import quote
@@ -20,7 +21,7 @@ from reaper.logs import get_logger, log
 logger = get_logger("recorder")
 
 DONE_STATUSES = frozenset({404, 409})
-PARALLEL_CALLS = 8
+PARALLEL_CALLS = 64
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,26 @@ class RecorderClient:
         return False
 
     def stop_all(self, requests: list[StopRequest]) -> list[StopRequest]:
-        """Send every signal; return those the recorder took."""
+        """Send every signal; return those the recorder took within the budget."""
         if not requests:
             return []
-        with ThreadPoolExecutor(max_workers=min(PARALLEL_CALLS, len(requests))) as pool:
-            outcomes = list(pool.map(self.stop, requests))
-        return [req for req, ok in zip(requests, outcomes, strict=True) if ok]
+        pool = ThreadPoolExecutor(
+            max_workers=min(PARALLEL_CALLS, len(requests)), thread_name_prefix="recorder"
+        )
+        try:
+            futures = {pool.submit(self.stop, request): request for request in requests}
+            done, late = wait(futures, timeout=2 * self.timeout + 0.5)
+        finally:
+            # Calls in flight end at their own timeout; queued ones are dropped.
+            pool.shutdown(wait=False, cancel_futures=True)
+        for future in late:
+            request = futures[future]
+            log(
+                logger,
+                "recorder.stop_failed",
+                level=30,
+                recording_id=request.recording_id,
+                conference_id=request.conference_id,
+                error="not sent within the batch's time budget",
+            )
+        return [futures[future] for future in done if future.result()]
