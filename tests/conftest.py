@@ -32,6 +32,9 @@ os.environ.update(
         "REAPER_DATABASE_URL": TEST_DB_URL,
         "REAPER_BROKER_URL": REDIS_URL,
         "REAPER_BROKER_KEY_PREFIX": f"reaper-test-{SESSION_TAG}:",
+        # Workers of the tests run the outbox relay too: never against a
+        # developer's broker on 9092. Tests that want Kafka pass kafka_broker.
+        "REAPER_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",
         "REAPER_METRICS_PORT": "0",
     }
 )

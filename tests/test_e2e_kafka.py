@@ -1,0 +1,148 @@
+"""End to end: `celery -A reaper worker -B` reaps a seeded room and the relay puts it
+on Kafka without any manual call; and the development broker helper."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import Engine, text
+
+from tests import factory as f
+from tests.conftest import ROOT, free_port
+from tests.kafkatools import create_topic, read_topic
+from tests.processes import Worker
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not within {timeout}s")
+
+
+def published(engine: Engine) -> list[dict]:
+    with engine.connect() as conn:
+        return [r for r in f.outbox(conn) if r["published_at"] is not None]
+
+
+def worker_env(kafka_broker: str, topic: str, relay_interval: str) -> dict[str, str]:
+    return {
+        "REAPER_POLLING_INTERVAL": "1",
+        "REAPER_EMPTY_ROOM_GRACE": "2",
+        "REAPER_KAFKA_BOOTSTRAP_SERVERS": kafka_broker,
+        "REAPER_CONFERENCE_ENDED_TOPIC": topic,
+        "REAPER_KAFKA_TIMEOUT": "4",
+        "REAPER_RELAY_INTERVAL": relay_interval,
+    }
+
+
+def test_seeded_empty_room_reaches_kafka_right_after_its_cycle(engine, kafka_broker, tmp_path):
+    """The relay's beat interval is a minute here: only the relay enqueued by the
+    cycle itself can bring the event to Kafka within seconds."""
+    topic = f"e2e.conference-ended.{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_broker, topic)
+    worker = Worker(tmp_path, worker_env(kafka_broker, topic, "60")).start()
+    rooms = []
+    try:
+        for _ in range(5):  # one at a time: each is reaped by its own cycle
+            with engine.begin() as conn:
+                rooms.append(f.conference(conn, as_of=now(), idle=timedelta(seconds=10)))
+            count = len(rooms)
+            wait_until(lambda n=count: len(published(engine)) >= n, 20, "published")
+        records = read_topic(kafka_broker, topic, expect=len(rooms))
+    finally:
+        worker.stop()
+    assert sorted(r.value["payload"]["conferenceId"] for r in records) == sorted(
+        room["id"] for room in rooms
+    )
+    for record in records:
+        assert record.key == record.value["aggregateId"] == record.value["payload"]["dealId"]
+        assert record.value["payload"]["endReason"] == "EmptyTimeout"
+        assert set(record.headers) == {"event-id", "event-type", "correlation-id"}
+    out = worker.output()
+    assert "reaper.relay_outbox" in out and '"relay.published"' in out
+    assert '"kafka.producer_closed"' in out  # flushed and closed on shutdown
+
+    rows = {str(r["event_id"]): r for r in published(engine)}
+    to_ack = [(r["published_at"] - r["created_at"]).total_seconds() for r in rows.values()]
+    to_record = [
+        r.timestamp_ms / 1000 - rows[r.event_id]["created_at"].timestamp() for r in records
+    ]
+    print(
+        "\n[figures] reap commit -> record on Kafka (worker -B, relay enqueued by the cycle): "
+        f"sent after median {statistics.median(to_record) * 1000:.0f} ms "
+        f"(max {max(to_record) * 1000:.0f} ms), acknowledged and marked after median "
+        f"{statistics.median(to_ack) * 1000:.0f} ms (max {max(to_ack) * 1000:.0f} ms), "
+        f"n={len(rows)}"
+    )
+
+
+def test_beat_relays_rows_without_a_cycle(engine, kafka_broker, tmp_path):
+    topic = f"e2e.beat.{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_broker, topic)
+    env = {**worker_env(kafka_broker, topic, "1"), "REAPER_POLLING_INTERVAL": "3600"}
+    worker = Worker(tmp_path, env).start()
+    try:
+        event_id = str(uuid.uuid4())
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO messenger.integration_outbox (event_id, topic, message_key,"
+                    " payload) VALUES (:e, :t, 'deal-1', CAST(:p AS jsonb))"
+                ),
+                {"e": event_id, "t": topic, "p": json.dumps({"eventId": event_id})},
+            )
+        wait_until(lambda: published(engine), 20, "published by the beat's relay")
+        [record] = read_topic(kafka_broker, topic, expect=1)
+    finally:
+        worker.stop()
+    assert (record.event_id, record.key, record.headers["event-id"]) == (
+        event_id,
+        "deal-1",
+        event_id,
+    )
+
+
+def test_dev_kafka_script_starts_creates_the_topic_and_stops(tmp_path):
+    port = free_port()
+    pidfile = tmp_path / "kafka.pid"
+    script = [sys.executable, str(ROOT / "scripts" / "dev_kafka.py")]
+    topic = "pin.messenger.conference-ended.v1"
+    args = ["start", "--port", str(port), "--topic", topic, "--pidfile", str(pidfile)]
+    try:
+        subprocess.run([*script, *args], check=True, timeout=60, capture_output=True)
+        pid = int(pidfile.read_text())
+        again = subprocess.run([*script, *args], timeout=60, capture_output=True, text=True)
+        assert again.returncode == 0 and "already listens" in again.stderr
+        assert int(pidfile.read_text()) == pid  # the second start started nothing
+        from kafka.admin import KafkaAdminClient
+
+        admin = KafkaAdminClient(bootstrap_servers=f"127.0.0.1:{port}")
+        try:
+            assert topic in admin.list_topics()
+        finally:
+            admin.close()
+    finally:
+        subprocess.run(
+            [*script, "stop", "--pidfile", str(pidfile)],
+            check=True,
+            timeout=30,
+            capture_output=True,
+        )
+    assert not pidfile.exists()
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0  # the broker is gone
