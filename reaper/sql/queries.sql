@@ -66,14 +66,16 @@ ended AS (
         duration_seconds = floor(extract(epoch FROM CAST(:as_of AS timestamptz) - s.started_at))::int,
         active_participant_count = 0
     FROM claimed
+    -- The claim locked each row and checked the phase's conditions on its latest
+    -- version, so only the status guard and the poison checks remain, the latter
+    -- on the claimed copy: a range condition on s here lets the planner re-scan
+    -- every candidate per batch (bitmap + hash join) instead of joining by key.
     WHERE s.id = claimed.id
       AND s.status = 'Active'
-      AND s.last_activity_at <= :cutoff
-      AND (s.active_participant_count = 0 OR NOT :require_empty)
-      AND s.started_at IS NOT NULL
-      AND s.started_at <= :as_of
+      AND claimed.started_at IS NOT NULL
+      AND claimed.started_at <= :as_of
       -- duration_seconds is an int: older (or -infinity) would fail the whole batch
-      AND s.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+      AND claimed.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
     RETURNING s.*
 ),
 roster AS (
@@ -157,16 +159,24 @@ SELECT 'poison', s.id, s.chat_id, s.deal_id, NULL,
        s.tenant_id, NULL
 FROM claimed c
 JOIN messenger.conference_sessions s ON s.id = c.id
-WHERE NOT EXISTS (SELECT 1 FROM ended e WHERE e.id = c.id)
+-- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
+WHERE c.id NOT IN (SELECT e.id FROM ended e)
 UNION ALL
 SELECT 'locked', v.id, NULL, NULL, NULL, NULL, NULL, NULL
 FROM visible v
-WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.id = v.id)
+WHERE v.id NOT IN (SELECT c.id FROM claimed c)
 UNION ALL
-SELECT 'stop', r.conference_id, NULL, NULL, NULL, r.id::text, NULL, NULL
-FROM messenger.call_recordings r
-JOIN ended e ON e.id = r.conference_id
-WHERE r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL;
+SELECT 'stop', e.id, NULL, NULL, NULL, r.id::text, NULL, NULL
+FROM ended e
+-- OFFSET 0 keeps it a per-room lookup on ix_recordings_conference: flattened
+-- into a join, the planner may scan every recording for each batch
+CROSS JOIN LATERAL (
+    SELECT r.id
+    FROM messenger.call_recordings r
+    WHERE r.conference_id = e.id
+      AND r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL
+    OFFSET 0
+) r;
 
 -- name: fail_provisioning_batch
 WITH visible AS (
@@ -196,9 +206,9 @@ failed AS (
         updated_at = :as_of,
         active_participant_count = 0
     FROM claimed
+    -- as in end_active_batch: the claim checked the rest on the latest version
     WHERE s.id = claimed.id
       AND s.status = 'Provisioning'
-      AND s.created_at <= :cutoff
     RETURNING s.*
 ),
 roster AS (
@@ -226,16 +236,24 @@ FROM failed f
 UNION ALL
 SELECT 'poison', c.id, NULL, NULL, NULL, 'rejected by the status guard', NULL, NULL
 FROM claimed c
-WHERE NOT EXISTS (SELECT 1 FROM failed f WHERE f.id = c.id)
+-- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
+WHERE c.id NOT IN (SELECT f.id FROM failed f)
 UNION ALL
 SELECT 'locked', v.id, NULL, NULL, NULL, NULL, NULL, NULL
 FROM visible v
-WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.id = v.id)
+WHERE v.id NOT IN (SELECT c.id FROM claimed c)
 UNION ALL
-SELECT 'stop', r.conference_id, NULL, NULL, NULL, r.id::text, NULL, NULL
-FROM messenger.call_recordings r
-JOIN failed f ON f.id = r.conference_id
-WHERE r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL;
+SELECT 'stop', f.id, NULL, NULL, NULL, r.id::text, NULL, NULL
+FROM failed f
+-- OFFSET 0 keeps it a per-room lookup on ix_recordings_conference: flattened
+-- into a join, the planner may scan every recording for each batch
+CROSS JOIN LATERAL (
+    SELECT r.id
+    FROM messenger.call_recordings r
+    WHERE r.conference_id = f.id
+      AND r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL
+    OFFSET 0
+) r;
 
 -- name: mark_stop_requested
 UPDATE messenger.call_recordings
