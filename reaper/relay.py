@@ -29,6 +29,7 @@ from kafka.errors import KafkaConnectionError, KafkaTimeoutError
 from sqlalchemy import Engine, Row
 from sqlalchemy.exc import SQLAlchemyError
 
+from reaper import metrics
 from reaper.config import Settings
 from reaper.db import engine_for
 from reaper.kafka import ProducerSlot, process_slot
@@ -120,6 +121,7 @@ class Relay:
                 result.pending, result.oldest_pending_age_seconds = Queries(
                     conn
                 ).outbox_pending_stats()
+            metrics.set_outbox(result.pending, result.oldest_pending_age_seconds)
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
         log(
@@ -178,6 +180,7 @@ class Relay:
                     self.settings.relay_backoff_max.total_seconds(),
                 )
         # committed
+        metrics.relay_published(len(report.published))
         if report.published:
             log(logger, "relay.published", count=len(report.published), claimed=report.claimed)
         if report.failures:

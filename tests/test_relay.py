@@ -16,8 +16,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from kafka import KafkaProducer
+from kafka.errors import KafkaTimeoutError
 from sqlalchemy import Engine, text
 
+from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.kafka import ProducerSlot, producer_config
@@ -129,8 +131,11 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
     assert (cycle["empty_timeout_count"], cycle["stale_timeout_count"]) == (1, 1)
     assert cycle["provision_failed_count"] == 1
 
+    published_before = metrics.sample("messenger_outbox_relay_published_total")
     result = make_relay(rsettings, engine, producers).run()
     assert result.to_json() == {"published": 2, "failed": 0, "pending": 0}
+    assert metrics.sample("messenger_outbox_relay_published_total") == published_before + 2
+    assert metrics.sample("messenger_outbox_pending") == 0
 
     records = read_topic(kafka_broker, topic, expect=2)
     assert len(records) == 2, "exactly one record per ended conference"
@@ -304,6 +309,8 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
         assert len(pending) == 3
         assert all(r["attempts"] == 1 and r["last_error"] for r in pending)
         assert events(caplog, "relay.kafka_unavailable")
+        assert metrics.sample("messenger_outbox_pending") == 3
+        assert metrics.sample("messenger_outbox_oldest_pending_age_seconds") > 0
 
         broker.start()  # same port, empty memory storage
         create_topic(broker.bootstrap, topic)
@@ -314,6 +321,8 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
             time.sleep(0.3)
         rows = outbox_rows(engine)
         assert all(r["published_at"] is not None for r in rows)
+        assert metrics.sample("messenger_outbox_pending") == 0
+        assert metrics.sample("messenger_outbox_oldest_pending_age_seconds") == 0
         records = read_topic(broker.bootstrap, topic, expect=3)
         conferences = Counter(r.value["payload"]["conferenceId"] for r in records)
         assert {room["id"] for room in rooms} <= set(conferences)
@@ -343,6 +352,22 @@ def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
     assert line["rows"] == 3
     # backing off: the next pass does not even try
     assert make_relay(settings, engine, producers).run().failed == 0
+
+
+def test_missing_topic_is_named(rsettings, engine, producers, caplog):
+    """Tansu creates any topic asked for, so this checks the diagnosis the relay
+    makes when a send times out while the brokers answer: a real producer whose
+    metadata knows the brokers but no partition of the topic."""
+    caplog.set_level(logging.INFO, "reaper")
+    relay = make_relay(rsettings, engine, producers)
+    producer = relay.producers.get()
+    producer.partitions_for(rsettings.conference_ended_topic)  # metadata with brokers
+    missing = f"never.created.{uuid.uuid4().hex[:6]}"
+    row = type("OutboxRow", (), {"topic": missing})()
+    relay._log_unavailable(KafkaTimeoutError("Failed to update metadata"), [row], producer)
+    [line] = events(caplog, "relay.topic_missing")
+    assert line["topic"] == missing and missing in line["reason"]
+    assert not events(caplog, "relay.kafka_unavailable")
 
 
 # -- at least once, never twice in a pass --------------------------------------
