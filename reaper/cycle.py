@@ -236,6 +236,7 @@ class Reaper:
             log(logger, "phase.mass_closure_allowed", level=30, **fields)
             return False
         cycle.blocked.append(phase.name)
+        metrics.mass_closure_blocked()
         log(
             logger,
             "phase.mass_closure_blocked",

@@ -50,7 +50,9 @@ logger = get_logger("metrics")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 RUN_RESULTS = ("completed", "skipped", "failed")
-ITEM_OUTCOMES = ("empty_timeout", "provision_failed", "stale_timeout")
+# mass_closure_blocked: one per stale_live run the mass-closure guard stopped
+# (it closed nothing; alert ConferenceReaperMassClosureBlocked).
+ITEM_OUTCOMES = ("empty_timeout", "provision_failed", "stale_timeout", "mass_closure_blocked")
 PHASE_NAMES = ("empty_room", "provision_timeout", "stale_live")
 
 # The names a dashboard or alert may use (the test of ops/ checks against it).
@@ -259,6 +261,10 @@ def items_closed(phase: str, outcome: str, lateness_seconds: Iterable[float | No
             m.lateness.labels(phase=phase).observe(max(0.0, lateness))
     if count:
         m.items.labels(outcome=outcome).inc(count)
+
+
+def mass_closure_blocked() -> None:
+    _m().items.labels(outcome="mass_closure_blocked").inc()
 
 
 def errors(count: int = 1) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
+from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper, rfc3339
 from tests import factory as f
@@ -62,10 +63,16 @@ def test_defaults_are_half_and_a_floor_of_20():
     assert settings.mass_closure_share == 0.5 and settings.mass_closure_floor == 20
 
 
+def blocked_total() -> float:
+    return metrics.sample("messenger_conf_reaper_items_total", {"outcome": "mass_closure_blocked"})
+
+
 def test_presence_outage_is_blocked_and_other_phases_go_on(settings, engine, caplog):
     caplog.set_level(logging.INFO, "reaper")
     seed(engine, stale=30, fresh=10, empty=3)  # 30 of 40 live rooms look stale
+    before = blocked_total()
     result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    assert blocked_total() == before + 1
     assert result["stale_timeout_count"] == 0
     assert result["empty_timeout_count"] == 3  # empty_room is not guarded
     assert count(engine, "Active") == 40 and count(engine, "Ended", "Timeout") == 0
@@ -115,9 +122,10 @@ def test_one_above_the_floor_is_blocked(settings, engine, caplog):
 def test_override_lets_one_run_through_and_says_so(settings, engine, caplog):
     caplog.set_level(logging.INFO, "reaper")
     seed(engine, stale=30, fresh=10)
-    result = Reaper(settings, engine=engine, clock=lambda: T0, allow_mass_closure=True).run_cycle(
-        T0
-    )
+    before = blocked_total()
+    reaper = Reaper(settings, engine=engine, clock=lambda: T0, allow_mass_closure=True)
+    result = reaper.run_cycle(T0)
+    assert blocked_total() == before
     assert result["stale_timeout_count"] == 30 and count(engine, "Ended", "Timeout") == 30
     [allowed] = events(caplog, "phase.mass_closure_allowed")
     assert allowed.levelno == logging.WARNING and allowed.fields["eligible"] == 30
