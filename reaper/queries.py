@@ -138,6 +138,9 @@ class Queries:
             self.conn, "delete_published_outbox", cutoff=cutoff, batch_size=batch_size
         ).rowcount
 
+    def try_relay_lock(self) -> bool:
+        return bool(_run(self.conn, "try_relay_lock").scalar())
+
     # -- operations: metrics, reaper status / plan ----------------------------
 
     def eligible_census(

@@ -20,6 +20,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -60,6 +62,7 @@ class RelayResult:
     deleted: int = 0
     held_back: int = 0
     kafka_unavailable: bool = False
+    skipped: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The task's result (CONTRACT §2)."""
@@ -83,16 +86,55 @@ class Relay:
         engine: Engine | None = None,
         producers: ProducerSlot | None = None,
         stop_event: threading.Event | None = None,
+        exclusive: bool = True,
     ) -> None:
         self.settings = settings
         self.engine = engine or engine_for(settings.database_url)
         self.producers = producers or process_slot(settings)
         self.stop_event = stop_event or threading.Event()
+        # One pass at a time across all relays (see try_relay_lock); a test
+        # turns it off to check that concurrent passes stay correct too.
+        self.exclusive = exclusive
         self.kafka_timeout = settings.kafka_timeout.total_seconds()
 
     # -- one pass ----------------------------------------------------------
 
     def run(self) -> RelayResult:
+        """One pass, unless another relay's pass is running (then only the gauges)."""
+        if not self.exclusive:
+            return self._pass()
+        try:
+            with self._pass_lock() as acquired:
+                if acquired:
+                    return self._pass()
+        except SQLAlchemyError as exc:
+            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+            return RelayResult()
+        log(logger, "relay.skipped", reason="another relay pass is running")
+        result = RelayResult(skipped=True)
+        self._measure(result)
+        return result
+
+    @contextmanager
+    def _pass_lock(self) -> Iterator[bool]:
+        """The relay lock, on a connection of its own that idles during the pass; the
+        server ends that session (freeing the lock) if the pass outlives its bound."""
+        conn = self.engine.connect()
+        try:
+            transaction = conn.begin()
+            queries = Queries(conn)
+            budget = self.settings.relay_max_pass_duration + 3 * self.settings.kafka_timeout
+            queries.bound_transaction(idle_ms=millis(budget) + 10_000, statement_ms=5_000)
+            acquired = queries.try_relay_lock()
+            try:
+                yield acquired
+            finally:
+                with suppress(SQLAlchemyError):
+                    transaction.rollback()
+        finally:
+            conn.close()
+
+    def _pass(self) -> RelayResult:
         """Batches until one comes back short, Kafka is gone or the pass's time is spent."""
         started = time.monotonic()
         deadline = started + self.settings.relay_max_pass_duration.total_seconds()
@@ -116,14 +158,7 @@ class Relay:
             ):
                 break
         result.deleted = self._retention(deadline)
-        try:
-            with self.engine.connect() as conn:
-                result.pending, result.oldest_pending_age_seconds = Queries(
-                    conn
-                ).outbox_pending_stats()
-            metrics.set_outbox(result.pending, result.oldest_pending_age_seconds)
-        except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+        self._measure(result)
         log(
             logger,
             "relay.completed",
@@ -137,6 +172,16 @@ class Relay:
             duration_ms=round((time.monotonic() - started) * 1000),
         )
         return result
+
+    def _measure(self, result: RelayResult) -> None:
+        try:
+            with self.engine.connect() as conn:
+                result.pending, result.oldest_pending_age_seconds = Queries(
+                    conn
+                ).outbox_pending_stats()
+            metrics.set_outbox(result.pending, result.oldest_pending_age_seconds)
+        except SQLAlchemyError as exc:
+            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
 
     # -- one batch: claim, produce, mark, in one transaction ----------------
 

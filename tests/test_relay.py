@@ -23,6 +23,7 @@ from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.kafka import ProducerSlot, producer_config
+from reaper.queries import Queries
 from reaper.relay import Relay
 from tests import factory as f
 from tests.conftest import ROOT, free_port
@@ -430,7 +431,8 @@ def test_two_relays_at_once_publish_each_row_once(
     results = []
 
     def run() -> None:
-        relay = make_relay(settings, engine, producers)
+        # without the pass lock, to prove SKIP LOCKED and the per-key claim alone
+        relay = make_relay(settings, engine, producers, exclusive=False)
         barrier.wait()
         results.append(relay.run())
 
@@ -448,6 +450,25 @@ def test_two_relays_at_once_publish_each_row_once(
     by_event = {str(r["event_id"]): r["id"] for r in rows}
     assert [by_event[r.event_id] for r in ordered] == sorted(by_event[r.event_id] for r in ordered)
     assert [r.value["payload"]["conferenceId"] for r in ordered] == same_deal
+
+
+def test_one_pass_at_a_time_the_other_only_measures(rsettings, engine, producers, caplog):
+    caplog.set_level(logging.INFO, "reaper")
+    with engine.begin() as conn:
+        for i in range(3):
+            add_outbox_row(conn, topic=rsettings.conference_ended_topic, key=f"k{i}")
+    with engine.connect() as holder:
+        holder.begin()
+        assert Queries(holder).try_relay_lock()  # a pass "in flight" elsewhere
+        result = make_relay(rsettings, engine, producers).run()
+        assert result.skipped and result.to_json() == {"published": 0, "failed": 0, "pending": 3}
+        assert events(caplog, "relay.skipped")
+        holder.rollback()
+    assert make_relay(rsettings, engine, producers).run().to_json() == {
+        "published": 3,
+        "failed": 0,
+        "pending": 0,
+    }
 
 
 # -- retention -----------------------------------------------------------------

@@ -346,6 +346,12 @@ WHERE id IN (
     FOR UPDATE SKIP LOCKED);
 
 -- name: eligible_census
+-- name: try_relay_lock
+-- One relay pass at a time across all workers, so relays never fill every
+-- worker slot (SKIP LOCKED would keep concurrent passes correct anyway).
+-- Held until the end of the calling transaction.
+SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper.relay', 0));
+
 -- What the next cycle would select, per phase, with the phases' own
 -- predicates; each conference counted once, in the first phase that selects
 -- it (a terminal transition hides it from the later ones). The sum is
