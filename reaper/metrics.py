@@ -50,9 +50,9 @@ logger = get_logger("metrics")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 RUN_RESULTS = ("completed", "skipped", "failed")
-# mass_closure_blocked: one per stale_live run the mass-closure guard stopped
-# (it closed nothing; alert ConferenceReaperMassClosureBlocked).
-ITEM_OUTCOMES = ("empty_timeout", "provision_failed", "stale_timeout", "mass_closure_blocked")
+# CONTRACT §9: closed conferences only. A run the mass-closure guard stopped
+# closed nothing: it has its own counter (mass_closure_blocked_total).
+ITEM_OUTCOMES = ("empty_timeout", "provision_failed", "stale_timeout")
 PHASE_NAMES = ("empty_room", "provision_timeout", "stale_live")
 
 # The names a dashboard or alert may use (the test of ops/ checks against it).
@@ -64,6 +64,7 @@ EXPORTED = (
     "messenger_conf_reaper_skip_locked_total",
     "messenger_conf_reaper_errors_total",
     "messenger_conf_reaper_closing_lateness_seconds",
+    "messenger_conf_reaper_mass_closure_blocked_total",
     "messenger_outbox_relay_published_total",
     "messenger_outbox_pending",
     "messenger_outbox_oldest_pending_age_seconds",
@@ -118,6 +119,11 @@ class _Metrics:
             "ended_at minus the moment the conference became eligible, per phase.",
             ["phase"],
             buckets=LATENESS_BUCKETS,
+            registry=r,
+        )
+        self.mass_closure_blocked = Counter(
+            "messenger_conf_reaper_mass_closure_blocked_total",
+            "stale_live runs the mass-closure guard stopped (they closed nothing).",
             registry=r,
         )
         self.relay_published = Counter(
@@ -264,7 +270,7 @@ def items_closed(phase: str, outcome: str, lateness_seconds: Iterable[float | No
 
 
 def mass_closure_blocked() -> None:
-    _m().items.labels(outcome="mass_closure_blocked").inc()
+    _m().mass_closure_blocked.inc()
 
 
 def errors(count: int = 1) -> None:

@@ -64,7 +64,7 @@ def test_defaults_are_half_and_a_floor_of_20():
 
 
 def blocked_total() -> float:
-    return metrics.sample("messenger_conf_reaper_items_total", {"outcome": "mass_closure_blocked"})
+    return metrics.sample("messenger_conf_reaper_mass_closure_blocked_total")
 
 
 def test_presence_outage_is_blocked_and_other_phases_go_on(settings, engine, caplog):
