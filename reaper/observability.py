@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 import click
-from celery.signals import worker_process_init, worker_process_shutdown, worker_ready
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_ready
 from celery.signals import worker_shutdown as worker_shutdown_signal
 
 from reaper import logs, metrics, tracing
@@ -130,6 +130,14 @@ def _stop_metrics(**_: Any) -> None:
     if _server is not None:
         _server.close()
         _server = None
+
+
+@worker_init.connect
+def _worker_starting(sender: Any = None, **_: Any) -> None:
+    # solo/threads pools run tasks in this process: no child will configure it
+    pool = str(getattr(sender, "pool_cls", "")).lower()
+    if "prefork" not in pool and not tracing.enabled():
+        tracing.configure()
 
 
 @worker_process_init.connect
