@@ -6,6 +6,7 @@ invalid value stops it with a single line naming the variable and the rule.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import sys
 from datetime import timedelta
@@ -71,6 +72,19 @@ def _readable_file(value: str) -> str:
     return value
 
 
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+
+
+def _listen_address(value: str) -> str:
+    """An IP address or a host name to bind to (no port, no scheme)."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(value):
+            raise ValueError("must be an IP address or host name, without a port") from None
+    return value
+
+
 def _bootstrap(value: str) -> str:
     servers = [s.strip() for s in value.split(",") if s.strip()]
     if not servers:
@@ -131,7 +145,7 @@ class Settings(BaseSettings):
     recorder_timeout: Duration = timedelta(seconds=2)
     metrics_port: int = Field(9808, ge=0, le=65535)
     # Where the worker's /metrics listens (0.0.0.0: reachable by Prometheus in a container).
-    metrics_address: str = Field("0.0.0.0", min_length=1)
+    metrics_address: Annotated[str, AfterValidator(_listen_address)] = "0.0.0.0"
     # Mass-closure guard of stale_live: a cycle that would end more than this
     # share of the Active conferences, and more than the floor, ends nothing.
     # A presence outage looks exactly like that. 1 turns the guard off.

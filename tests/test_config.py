@@ -61,6 +61,7 @@ INVALID: dict[str, list[str]] = {
     "RECORDER_URL": ["ftp://recorder", "http://", "recorder:8080", f"http://u:{SECRET}@h:x/"],
     "RECORDER_TIMEOUT": BAD_DURATIONS,
     "METRICS_PORT": ["-1", "65536", "http", "80.5"],
+    "METRICS_ADDRESS": ["", "0.0.0.0:9808", "http://h", "not a host", "-h"],
     "MASS_CLOSURE_SHARE": ["0", "-0.1", "1.01", "half", "nan", "inf", ""],
     "MASS_CLOSURE_FLOOR": ["-1", "x", "2.5", ""],
 }
@@ -97,6 +98,9 @@ FREE_TEXT = {"KAFKA_SSL_PASSWORD": "a key passphrase may be anything"}
 VALID: list[dict[str, str]] = [
     {"POLLING_INTERVAL": "PT90S", "EMPTY_ROOM_GRACE": "1.5", "LOCK_TTL": "P1D"},
     {"MASS_CLOSURE_SHARE": "1", "MASS_CLOSURE_FLOOR": "0", "METRICS_PORT": "0"},
+    {"METRICS_ADDRESS": "127.0.0.1"},
+    {"METRICS_ADDRESS": "::"},
+    {"METRICS_ADDRESS": "worker-1.internal"},
     {"DATABASE_URL": "postgresql://u:p%40ss@db:5432/reaper?sslmode=verify-full"},
     {"BROKER_URL": "rediss://:pw@redis:6380/1", "BROKER_KEY_PREFIX": "{reaper}:"},
     {"KAFKA_BOOTSTRAP_SERVERS": " a:9092 , b:9093 ", "CONFERENCE_ENDED_TOPIC": "x.y-z_1"},
