@@ -13,10 +13,10 @@ _interval = _settings.polling_interval.total_seconds()
 _lock_ttl = _settings.lock_ttl.total_seconds()
 _relay_interval = _settings.relay_interval.total_seconds()
 # A relay pass stops claiming at relay_max_pass_duration; the batch in flight
-# then waits at most two Kafka timeouts (metadata + acknowledgements).
+# then waits at most about 2.5 Kafka timeouts (rounds, metadata, acknowledgements).
 _relay_soft_limit = (
     _settings.relay_max_pass_duration.total_seconds()
-    + 2 * _settings.kafka_timeout.total_seconds()
+    + 3 * _settings.kafka_timeout.total_seconds()
     + 10
 )
 

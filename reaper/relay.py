@@ -192,7 +192,7 @@ class Relay:
             # The transaction waits on Kafka: bound it so a hung relay's row
             # locks are freed by the server (its rows are then sent again).
             queries.bound_transaction(
-                idle_ms=millis(self.settings.kafka_timeout) * 2 + 5_000,
+                idle_ms=millis(self.settings.kafka_timeout) * 3 + 5_000,
                 statement_ms=15_000,
             )
             rows = queries.claim_outbox_batch(self.settings.relay_batch_size)
@@ -244,7 +244,10 @@ class Relay:
         for row in rows:  # id order, so each key's queue is in commit order
             by_key.setdefault(row.message_key, deque()).append(row)
         round_rows = [queue[0] for queue in by_key.values()]
-        while round_rows:
+        # No new round after one Kafka timeout: the rest of those keys waits
+        # (in order) for the next batch, and the transaction stays short.
+        rounds_until = time.monotonic() + self.kafka_timeout
+        while round_rows and time.monotonic() < rounds_until:
             sent: list[tuple[Row, Any]] = []
             for row in round_rows:
                 try:
@@ -274,7 +277,7 @@ class Relay:
                 queue.popleft()
                 if queue:
                     round_rows.append(queue[0])
-        # keys whose row failed keep the rest of their rows for a later pass
+        # rows behind a failed row of their key (or not reached) wait for later
         report.held_back = sum(len(q) - 1 for q in by_key.values() if q)
 
     def _await(self, sent: list[tuple[Row, Any]], report: BatchReport) -> list[Row]:
