@@ -47,7 +47,7 @@ WITH visible AS (
     LIMIT :batch_size
 ),
 claimed AS (
-    SELECT s.id, s.started_at
+    SELECT s.id, s.status, s.started_at, s.chat_id, s.deal_id, s.tenant_id
     FROM messenger.conference_sessions s
     WHERE s.status = 'Active'
       AND s.last_activity_at <= :cutoff
@@ -67,11 +67,13 @@ ended AS (
         active_participant_count = 0
     FROM claimed
     -- The claim locked each row and checked the phase's conditions on its latest
-    -- version, so only the status guard and the poison checks remain, the latter
-    -- on the claimed copy: a range condition on s here lets the planner re-scan
-    -- every candidate per batch (bitmap + hash join) instead of joining by key.
-    WHERE s.id = claimed.id
-      AND s.status = 'Active'
+    -- version, so only the status guard and the poison checks remain, both
+    -- against the claimed copy: a condition on s alone (status = 'Active', a
+    -- range) lets the planner re-scan every candidate per batch (bitmap + hash
+    -- join) instead of joining by key. tests/test_query_plans.py holds this.
+    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c))  -- by key: never a table scan
+      AND s.id = claimed.id
+      AND s.status = claimed.status
       AND claimed.started_at IS NOT NULL
       AND claimed.started_at <= :as_of
       -- duration_seconds is an int: older (or -infinity) would fail the whole batch
@@ -150,15 +152,15 @@ SELECT 'reaped' AS kind, e.id AS conference_id, e.chat_id, e.deal_id, e.duration
        END AS lateness_seconds
 FROM ended e
 UNION ALL
-SELECT 'poison', s.id, s.chat_id, s.deal_id, NULL,
-       CASE WHEN s.started_at IS NULL THEN 'Active without started_at'
-            WHEN s.started_at > :as_of THEN 'started_at after as_of'
-            WHEN s.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+SELECT 'poison', c.id, c.chat_id, c.deal_id, NULL,
+       CASE WHEN c.started_at IS NULL THEN 'Active without started_at'
+            WHEN c.started_at > :as_of THEN 'started_at after as_of'
+            WHEN c.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
                 THEN 'started_at too far in the past (duration out of range)'
             ELSE 'rejected by the status guard' END,
-       s.tenant_id, NULL
+       c.tenant_id, NULL
+-- the claimed copy (the locked row's latest version): no second visit to the table
 FROM claimed c
-JOIN messenger.conference_sessions s ON s.id = c.id
 -- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
 WHERE c.id NOT IN (SELECT e.id FROM ended e)
 UNION ALL
@@ -189,7 +191,7 @@ WITH visible AS (
     LIMIT :batch_size
 ),
 claimed AS (
-    SELECT s.id
+    SELECT s.id, s.status
     FROM messenger.conference_sessions s
     WHERE s.status = 'Provisioning'
       AND s.created_at <= :cutoff
@@ -207,8 +209,9 @@ failed AS (
         active_participant_count = 0
     FROM claimed
     -- as in end_active_batch: the claim checked the rest on the latest version
-    WHERE s.id = claimed.id
-      AND s.status = 'Provisioning'
+    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c))  -- by key: never a table scan
+      AND s.id = claimed.id
+      AND s.status = claimed.status
     RETURNING s.*
 ),
 roster AS (
@@ -345,13 +348,13 @@ WHERE id IN (
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED);
 
--- name: eligible_census
 -- name: try_relay_lock
 -- One relay pass at a time across all workers, so relays never fill every
 -- worker slot (SKIP LOCKED would keep concurrent passes correct anyway).
 -- Held until the end of the calling transaction.
 SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper.relay', 0));
 
+-- name: eligible_census
 -- What the next cycle would select, per phase, with the phases' own
 -- predicates; each conference counted once, in the first phase that selects
 -- it (a terminal transition hides it from the later ones). The sum is
@@ -434,7 +437,7 @@ ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], 
 
 -- name: backend_activity
 -- Who a backend pid is (reaper status: the lock holder).
-SELECT a.pid, a.application_name, a.client_addr::text AS client_addr, a.state,
+SELECT a.pid, a.application_name, host(a.client_addr) AS client_addr, a.state,
        a.backend_start, a.xact_start,
        extract(epoch FROM clock_timestamp() - a.xact_start) AS xact_age_seconds
 FROM pg_stat_activity a
