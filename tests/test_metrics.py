@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
+import sys
 import time
 import urllib.request
 from datetime import UTC, datetime, timedelta
@@ -245,3 +247,67 @@ def test_prefork_worker_serves_whole_counts_across_replaced_children(
     assert worker.output().count("metrics.serving") == 1
     assert len(list(metrics_dir.glob("counter_*.db"))) >= 3
     assert not any(k.startswith("flower_") for k in samples)
+
+
+def test_multiprocess_mode_files_wipe_and_dead_children(tmp_path):
+    """In a fresh process (the mode is per process): wipe at start, mark_process_dead."""
+    script = f"""
+import os, subprocess, sys
+from pathlib import Path
+directory = Path({str(tmp_path)!r})
+(directory / "counter_424242.db").write_bytes(b"stale")
+from reaper import metrics
+assert metrics.prepare_process("worker", 9808) == str(directory)
+assert not (directory / "counter_424242.db").exists()
+from prometheus_client import Gauge, values
+assert values.ValueClass is not values.MutexValue
+metrics.relay_published(2)
+child = os.fork()
+if child == 0:
+    metrics.relay_published(5)
+    live = Gauge("reaper_test_live", "t", multiprocess_mode="livesum", registry=None)
+    live.set(1)
+    os._exit(0)
+os.waitpid(child, 0)
+assert (directory / f"gauge_livesum_{{child}}.db").exists()
+body = metrics.exposition().decode()
+assert "messenger_outbox_relay_published_total 7.0" in body, body
+metrics._sweep_dead_children()  # the child died without saying so
+assert not (directory / f"gauge_livesum_{{child}}.db").exists()
+assert (directory / f"counter_{{child}}.db").exists()  # its counts stay
+assert "messenger_outbox_relay_published_total 7.0" in metrics.exposition().decode()
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_other_processes_never_use_the_workers_directory(tmp_path):
+    """Flower, celery call, the CLI: an inherited PROMETHEUS_MULTIPROC_DIR is dropped."""
+    script = """
+import os
+from reaper import metrics
+metrics.prepare_process("flower", 9808)
+assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+metrics.relay_published(1)
+from prometheus_client import values
+assert values.ValueClass is values.MutexValue
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert list(tmp_path.iterdir()) == []
