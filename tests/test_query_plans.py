@@ -1,0 +1,211 @@
+"""The phase statements' plans on an analyzed table with a long history.
+
+A quiet cycle must cost the same at 10,000 or 1,000,000 finished rooms: each
+phase reaches its candidates through its partial index only, in index order
+(no sort of all candidates, no bitmap over them, no sequential scan of any
+table). A few rows are not enough to see this, the planner then scans
+everything anyway; so the tables here are seeded with a history and ANALYZEd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, Engine, text
+
+from reaper.queries import load
+from tests.factory import T0
+
+HISTORY = 100_000
+LIVE = 2_000
+CANDIDATES = 20_000  # per phase: many batches
+
+SEED = """
+INSERT INTO messenger.conference_sessions
+    (id, chat_id, deal_id, tenant_id, media_type, status, end_reason, started_by_user_id,
+     created_at, started_at, ended_at, last_activity_at, updated_at,
+     active_participant_count, peak_participant_count, duration_seconds)
+SELECT gen_random_uuid(), gen_random_uuid(), gen_random_uuid(), gen_random_uuid(), 'Video',
+       'Ended', 'Normal', gen_random_uuid(), t, t, t + interval '30 min', t + interval '30 min',
+       t + interval '30 min', 0, 2, 1800
+FROM generate_series(1, :history) g,
+     LATERAL (SELECT CAST(:t0 AS timestamptz) - interval '1 day' - g * interval '10 s' AS t) x;
+
+-- healthy live rooms: in the partial index, never eligible
+INSERT INTO messenger.conference_sessions
+    (id, chat_id, deal_id, tenant_id, media_type, status, started_by_user_id,
+     created_at, started_at, last_activity_at, updated_at,
+     active_participant_count, peak_participant_count)
+SELECT gen_random_uuid(), gen_random_uuid(), gen_random_uuid(), gen_random_uuid(), 'Audio',
+       'Active', gen_random_uuid(), :t0 - interval '1 hour', :t0 - interval '1 hour',
+       :t0 - g * interval '1 ms', :t0, 2, 2
+FROM generate_series(1, :live) g;
+
+-- candidates of each phase: empty, stale (people in), stuck provisioning
+INSERT INTO messenger.conference_sessions
+    (id, chat_id, deal_id, tenant_id, media_type, status, started_by_user_id,
+     created_at, started_at, last_activity_at, updated_at,
+     active_participant_count, peak_participant_count)
+SELECT gen_random_uuid(), gen_random_uuid(), gen_random_uuid(), gen_random_uuid(), 'Video',
+       CASE WHEN k = 3 THEN 'Provisioning' ELSE 'Active' END, gen_random_uuid(),
+       :t0 - interval '6 hours' - g * interval '1 s',
+       CASE WHEN k = 3 THEN NULL ELSE :t0 - interval '6 hours' END,
+       CASE WHEN k = 2 THEN :t0 - interval '5 hours' ELSE :t0 - interval '10 min' END
+           - g * interval '1 s',
+       :t0 - interval '10 min', CASE WHEN k = 2 THEN 2 ELSE 0 END, 2
+FROM generate_series(1, :candidates) g, generate_series(1, 3) k;
+
+INSERT INTO messenger.conference_participants (conference_id, user_id, joined_at, left_at)
+SELECT s.id, gen_random_uuid(), s.created_at + k * interval '1 min',
+       CASE WHEN s.status = 'Ended' THEN s.ended_at END
+FROM messenger.conference_sessions s, generate_series(1, 2) k;
+
+INSERT INTO messenger.call_recordings (id, conference_id, status, created_at, updated_at)
+SELECT gen_random_uuid(), s.id,
+       CASE WHEN s.status = 'Ended' THEN 'Available' ELSE 'Recording' END,
+       s.created_at, s.created_at
+FROM messenger.conference_sessions s
+WHERE s.status <> 'Ended' OR random() < 0.2;
+
+ANALYZE messenger.conference_sessions, messenger.conference_participants,
+        messenger.call_recordings, messenger.integration_outbox, messenger.realtime_outbox;
+"""
+
+TABLES = {
+    "conference_sessions",
+    "conference_participants",
+    "call_recordings",
+    "integration_outbox",
+    "realtime_outbox",
+}
+
+# phase -> (statement, the partial index its claim must use, its parameters)
+PHASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "empty_room": (
+        "end_active_batch",
+        "ix_conf_empty_active",
+        {"window": timedelta(seconds=90), "require_empty": True, "end_reason": "EmptyTimeout"},
+    ),
+    "provision_timeout": (
+        "fail_provisioning_batch",
+        "ix_conf_provisioning",
+        {"window": timedelta(seconds=120)},
+    ),
+    "stale_live": (
+        "end_active_batch",
+        "ix_conf_active",
+        {"window": timedelta(hours=4), "require_empty": False, "end_reason": "Timeout"},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def seeded(database_url: str) -> Iterator[Engine]:
+    from reaper.db import engine_for
+
+    engine = engine_for(database_url)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "TRUNCATE messenger.realtime_outbox, messenger.integration_outbox,"
+                " messenger.call_recordings, messenger.conference_participants,"
+                " messenger.conference_sessions RESTART IDENTITY CASCADE"
+            )
+        )
+        conn.execute(
+            text(SEED),
+            {"t0": T0, "history": HISTORY, "live": LIVE, "candidates": CANDIDATES},
+        )
+    yield engine
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "TRUNCATE messenger.realtime_outbox, messenger.integration_outbox,"
+                " messenger.call_recordings, messenger.conference_participants,"
+                " messenger.conference_sessions RESTART IDENTITY CASCADE"
+            )
+        )
+
+
+def nodes(plan: dict[str, Any], ancestors: tuple[dict, ...] = ()) -> Iterator[tuple]:
+    yield plan, ancestors
+    for child in plan.get("Plans", []):
+        yield from nodes(child, (*ancestors, plan))
+
+
+def explain(conn: Connection, phase: str, as_of, batch_size: int = 100) -> dict[str, Any]:
+    name, _, extra = PHASES[phase]
+    params = {
+        "as_of": as_of,
+        "cutoff": as_of - extra["window"],
+        "batch_size": batch_size,
+        "excluded": [],
+    }
+    if name == "end_active_batch":
+        params |= {
+            "require_empty": extra["require_empty"],
+            "end_reason": extra["end_reason"],
+            "run_id": "00000000-0000-0000-0000-000000000000",
+            "topic": "pin.messenger.conference-ended.v1",
+        }
+    sql = "EXPLAIN (FORMAT JSON) " + load()[name].text
+    return conn.execute(text(sql), params).scalar_one()[0]["Plan"]
+
+
+def outline(plan: dict[str, Any]) -> str:
+    """The plan as indented node lines, for a failing assertion's message."""
+    return "\n".join(
+        "  " * len(ancestors)
+        + " ".join(
+            str(part)
+            for part in (node["Node Type"], node.get("Relation Name"), node.get("Index Name"))
+            if part
+        )
+        for node, ancestors in nodes(plan)
+    )
+
+
+def problems(plan: dict[str, Any], index: str) -> list[str]:
+    """What makes a plan's cost grow with the table instead of the batch."""
+    found = []
+    claims = []
+    for node, ancestors in nodes(plan):
+        kind, relation = node["Node Type"], node.get("Relation Name")
+        if kind == "Seq Scan" and relation in TABLES:
+            found.append(f"sequential scan of {relation}")
+        if kind == "Bitmap Index Scan" and node["Index Name"].startswith("ix_conf_"):
+            found.append(f"bitmap scan of {node['Index Name']} (all candidates, unordered)")
+        if relation == "conference_sessions" and kind in ("Index Scan", "Index Only Scan"):
+            if node.get("Index Name") == index:
+                claims.append(node)
+            if any(a["Node Type"] in ("Sort", "Incremental Sort") for a in ancestors):
+                found.append(f"sort above a scan of conference_sessions ({node['Index Name']})")
+    if not claims:
+        found.append(f"no index scan using {index}")
+    return found
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("moment", ["backlog", "quiet"])
+@pytest.mark.parametrize("batch_size", [100, 1000])
+def test_phase_statement_plan_stays_on_its_partial_index(
+    seeded: Engine, phase: str, moment: str, batch_size: int
+) -> None:
+    # "quiet": a cycle's moment at which nothing is eligible yet
+    as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
+    with seeded.connect() as conn:
+        plan = explain(conn, phase, as_of, batch_size)
+    assert problems(plan, PHASES[phase][1]) == [], outline(plan)
+
+
+def test_the_plan_check_sees_a_scan_of_all_candidates(seeded: Engine) -> None:
+    """Without the partial indexes the same statement scans: the check above can fail."""
+    with seeded.connect() as conn, conn.begin() as tx:
+        conn.execute(text("DROP INDEX messenger.ix_conf_empty_active, messenger.ix_conf_active"))
+        found = problems(explain(conn, "empty_room", T0), "ix_conf_empty_active")
+        tx.rollback()
+    assert "no index scan using ix_conf_empty_active" in found
+    assert any("scan" in p and "conference_sessions" in p for p in found), found
