@@ -21,8 +21,22 @@ def get_logger(name: str) -> logging.Logger:
 
 
 def log(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
-    message = " ".join([event, *(f"{k}={_plain(v)}" for k, v in fields.items())])
-    logger.log(level, message, extra={"event": event, "fields": fields})
+    if logger.isEnabledFor(level):
+        logger.log(level, _Message(event, fields), extra={"event": event, "fields": fields})
+
+
+class _Message:
+    """``event k=v ...``, built only if a handler renders the plain message (the
+    JSON formatter does not): one per reaped room otherwise (bench/)."""
+
+    __slots__ = ("event", "fields")
+
+    def __init__(self, event: str, fields: dict[str, Any]) -> None:
+        self.event = event
+        self.fields = fields
+
+    def __str__(self) -> str:
+        return " ".join([self.event, *(f"{k}={_plain(v)}" for k, v in self.fields.items())])
 
 
 def _plain(value: Any) -> str:
