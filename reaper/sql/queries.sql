@@ -65,19 +65,18 @@ ended AS (
         updated_at = :as_of,
         duration_seconds = floor(extract(epoch FROM CAST(:as_of AS timestamptz) - s.started_at))::int,
         active_participant_count = 0
-    FROM claimed
     -- The claim locked each row and checked the phase's conditions on its latest
-    -- version, so only the status guard and the poison checks remain, both
-    -- against the claimed copy: a condition on s alone (status = 'Active', a
-    -- range) lets the planner re-scan every candidate per batch (bitmap + hash
-    -- join) instead of joining by key. tests/test_query_plans.py holds this.
-    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c))  -- by key: never a table scan
-      AND s.id = claimed.id
-      AND s.status = claimed.status
-      AND claimed.started_at IS NOT NULL
-      AND claimed.started_at <= :as_of
-      -- duration_seconds is an int: older (or -infinity) would fail the whole batch
-      AND claimed.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+    -- version; the poison checks run on the claimed copy. The rows are reached
+    -- by key from an array: joined to the CTE, the planner (which cannot
+    -- estimate a CTE) chose a hash join over every candidate, or a nested loop
+    -- quadratic in the batch. tests/test_query_plans.py holds this.
+    WHERE s.id = ANY (ARRAY(
+              SELECT c.id FROM claimed c
+              WHERE c.started_at IS NOT NULL
+                AND c.started_at <= :as_of
+                -- duration_seconds is an int: older (or -infinity) would fail the batch
+                AND c.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'))
+      AND s.status = 'Active'
     RETURNING s.*
 ),
 roster AS (
@@ -209,11 +208,9 @@ failed AS (
         ended_at = :as_of,
         updated_at = :as_of,
         active_participant_count = 0
-    FROM claimed
-    -- as in end_active_batch: the claim checked the rest on the latest version
-    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c))  -- by key: never a table scan
-      AND s.id = claimed.id
-      AND s.status = claimed.status
+    -- as in end_active_batch: by key, the claim checked the rest
+    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c))
+      AND s.status = 'Provisioning'
     RETURNING s.*
 ),
 roster AS (
