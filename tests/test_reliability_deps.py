@@ -29,6 +29,7 @@ from tests.services import PrivatePostgres, PrivateRedis, scrape, wait_until
 
 SOAK = os.environ.get("REAPER_SOAK") == "1"
 KAFKA_DOWN = 60.0 if SOAK else 12.0
+BACKLOG = 100_000 if SOAK else 20_000
 
 RUN_FAILED = 'messenger_conf_reaper_run_total{result="failed"}'
 RUN_DONE = 'messenger_conf_reaper_run_total{result="completed"}'
@@ -78,7 +79,7 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
     migrate(url)
     engine = create_engine(url, connect_args={"application_name": "fault-test"})
     with engine.begin() as conn:
-        f.bulk_conferences(conn, 30_000, as_of=now())
+        f.bulk_conferences(conn, BACKLOG, as_of=now())
     metrics_port = free_port()
     worker = Worker(
         tmp_path,
@@ -113,7 +114,7 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
         worker.stop()
     final = audit_engine(engine)
     final.assert_clean()
-    assert final.ended == 30_000 and final.integration == 30_000 and final.realtime == 30_000
+    assert final.ended == final.integration == final.realtime == BACKLOG
     assert live_before > 0  # the crash did hit a cycle with work left
     failed_phases = out.count('"event": "phase.failed"')
     assert failed_phases >= 1
@@ -122,7 +123,7 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
     with capsys.disabled():
         print(
             f"\n[figures] PostgreSQL crashed (immediate stop) mid-cycle with {live_before} of "
-            f"30000 rooms left, down {down:.1f}s; worker kept "
+            f"{BACKLOG} rooms left, down {down:.1f}s; worker kept "
             f"running, {failed_phases} phase.failed, drained {recovered:.1f}s after the restart; "
             f"lost 0, duplicated 0; /metrics while down: {pick(seen, RUN_FAILED, ERRORS)}; "
             f"after: {pick(after, RUN_DONE, RUN_FAILED, ERRORS)}"
@@ -171,6 +172,7 @@ def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
         )
 
 
+@pytest.mark.soak
 def test_kafka_broker_down(engine, tmp_path, capsys):
     tansu = Tansu().start()
     topic = f"fault.conference-ended.{uuid.uuid4().hex[:8]}"

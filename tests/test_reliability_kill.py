@@ -30,7 +30,8 @@ from tests.invariants import audit_engine
 from tests.processes import Worker
 
 REAPER = str(Path(sys.executable).parent / "reaper")
-KILLS = int(os.environ.get("REAPER_KILLS", "20"))
+SOAK = os.environ.get("REAPER_SOAK") == "1"
+KILLS = int(os.environ.get("REAPER_KILLS", "100" if SOAK else "20"))
 LOCK_TTL = 5.0
 ENV = {
     "REAPER_BATCH_SIZE": "25",
@@ -125,6 +126,7 @@ def settle(engine: Engine) -> float:
     return freed
 
 
+@pytest.mark.soak
 def test_kill_9_mid_batch_20_times(db, tmp_path, capsys):
     rng = random.Random(int(os.environ.get("REAPER_SEED", "5")))
     seed_backlog(db, empty=6000, provisioning=1500, stale=1500)

@@ -246,6 +246,7 @@ def run_schedule(
     assert not errors, errors
 
 
+@pytest.mark.soak
 def test_race_with_users(db, database_url, capsys):
     settings = Settings(
         database_url=database_url,
