@@ -6,6 +6,7 @@ with one line naming the variable.
 
 from kombu import Queue
 
+from reaper.broker import install as install_broker_transport
 from reaper.config import get_settings
 
 _settings = get_settings()
@@ -23,7 +24,7 @@ _relay_soft_limit = (
 broker_url = _settings.broker_url
 # kombu's Redis transport with the repair of reaper/broker.py: a Redis restart
 # under a busy worker would otherwise end the worker (Celery/kombu 5.7).
-broker_transport = "reaper.broker:Transport"
+install_broker_transport()
 broker_connection_retry_on_startup = True
 broker_transport_options = {
     # Above queue wait + the longest time limit; a redelivered reap is harmless.

@@ -59,13 +59,23 @@ class Drain:
 class Worker:
     TRACKED = (" ready.", '"cycle.completed"')
 
-    def __init__(self, env: dict[str, str], log_path: Path, beat: bool = False) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        beat: bool = False,
+        concurrency: int = 1,
+        queues: str | None = None,
+    ) -> None:
         self.env = env
         self.log_path = log_path
         self._pos = 0
         self._counts: dict[str, int] = {}
         args = [str(BIN / "celery"), "-A", "reaper", "worker", "-l", "INFO"]
-        args += ["--concurrency", "1", "--without-gossip", "--without-mingle"]
+        args += ["--concurrency", str(concurrency), "--without-gossip", "--without-mingle"]
+        if queues:
+            args += ["-Q", queues]
         args += ["-n", f"bench-{uuid.uuid4().hex[:6]}@%h"]
         if beat:
             args += ["-B", "-s", str(log_path.with_suffix(".schedule"))]
@@ -131,6 +141,20 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        forget_broker_keys(self.env["REAPER_BROKER_KEY_PREFIX"])
+
+
+def forget_broker_keys(prefix: str) -> None:
+    """Our own leftovers in the shared Redis (queued relay ticks): only our prefix."""
+    import redis
+
+    client = redis.Redis.from_url(os.environ.get("REAPER_BROKER_URL", "redis://127.0.0.1:6379/0"))
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
 
 
 def realtime_rows(url: str) -> int:
@@ -145,7 +169,8 @@ def realtime_rows(url: str) -> int:
 def drain(url: str, workdir: Path, expected: int, batch_size: int, timeout: float) -> Drain:
     """Cycles sent to one running worker until ``expected`` rooms are closed."""
     env = worker_env(url, REAPER_BATCH_SIZE=str(batch_size))
-    worker = Worker(env, workdir / "worker-drain.log").start()
+    # the reaper queue only: the drain's relay ticks wait (no Kafka here)
+    worker = Worker(env, workdir / "worker-drain.log", queues="reaper").start()
     try:
         # one quiet cycle first: imports, connections and caches are warm
         worker.call("reaper.reap")
