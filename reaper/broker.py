@@ -38,3 +38,16 @@ class Channel(redis.Channel):
 
 class Transport(redis.Transport):
     Channel = Channel
+
+
+def install() -> None:
+    """Make ``redis://`` and ``rediss://`` broker URLs use :class:`Transport`.
+
+    Through the scheme aliases rather than ``broker_transport``: kombu keys its
+    ``rediss`` handling (TLS defaults) on the scheme name, which must stay.
+    """
+    from kombu import transport
+
+    for scheme in ("redis", "rediss"):
+        transport.TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
+        transport._transport_cache.pop(scheme, None)  # resolved before install()
