@@ -129,7 +129,7 @@ class Settings(BaseSettings):
     kafka_timeout: Duration = timedelta(seconds=10)
     # The outbox relay (reaper.relay_outbox).
     relay_interval: Duration = timedelta(seconds=5)
-    relay_batch_size: int = Field(500, ge=1, le=10_000)
+    relay_batch_size: int = Field(2000, ge=1, le=10_000)
     relay_max_pass_duration: Duration = timedelta(seconds=20)
     relay_backoff_initial: Duration = timedelta(seconds=1)
     relay_backoff_max: Duration = timedelta(seconds=60)

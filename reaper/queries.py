@@ -110,6 +110,9 @@ class Queries:
 
     # -- the outbox relay ----------------------------------------------------
 
+    def relay_planner(self) -> None:
+        _run(self.conn, "relay_planner")
+
     def claim_outbox_batch(self, batch_size: int) -> list[Row]:
         return list(_run(self.conn, "claim_outbox_batch", batch_size=batch_size))
 

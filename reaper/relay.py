@@ -195,6 +195,7 @@ class Relay:
                 idle_ms=millis(self.settings.kafka_timeout) * 3 + 5_000,
                 statement_ms=15_000,
             )
+            queries.relay_planner()
             rows = queries.claim_outbox_batch(self.settings.relay_batch_size)
             report.claimed = len(rows)
             if not rows:
