@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from celery.exceptions import SoftTimeLimitExceeded
 from kafka import KafkaProducer
 from kafka.errors import KafkaConnectionError, KafkaTimeoutError
 from sqlalchemy import Engine, Row
@@ -63,6 +64,7 @@ class RelayResult:
     held_back: int = 0
     kafka_unavailable: bool = False
     skipped: bool = False
+    timed_out: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The task's result (CONTRACT §2)."""
@@ -142,6 +144,11 @@ class Relay:
         while True:
             try:
                 report = self._batch()
+            except SoftTimeLimitExceeded:
+                # The batch in flight rolled back: its rows go again next pass.
+                log(logger, "relay.time_limit", level=30, published=result.published)
+                result.timed_out = True
+                break
             except SQLAlchemyError as exc:
                 log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
                 break
@@ -157,7 +164,8 @@ class Relay:
                 or self.stop_event.is_set()
             ):
                 break
-        result.deleted = self._retention(deadline)
+        if not result.timed_out:
+            result.deleted = self._retention(deadline)
         self._measure(result)
         log(
             logger,
@@ -203,6 +211,8 @@ class Relay:
             producer: KafkaProducer | None = None
             try:
                 producer = self.producers.get()
+            except SoftTimeLimitExceeded:
+                raise
             except Exception as exc:  # no producer: Kafka unreachable or misconfigured
                 report.unavailable = exc
             else:
@@ -262,6 +272,8 @@ class Relay:
                             ("correlation-id", (row.correlation_id or "").encode()),
                         ],
                     )
+                except SoftTimeLimitExceeded:
+                    raise
                 except UNAVAILABLE as exc:  # metadata wait: no broker, or no such topic
                     report.unavailable = exc
                     break
@@ -288,6 +300,8 @@ class Relay:
         for row, future in sent:
             try:
                 future.get(timeout=max(0.0, deadline - time.monotonic()))
+            except SoftTimeLimitExceeded:
+                raise
             except Exception as exc:
                 self._row_failed(row, exc, report)
                 if isinstance(exc, UNAVAILABLE):

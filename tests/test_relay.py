@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from kafka import KafkaProducer
 from kafka.errors import KafkaTimeoutError
 from sqlalchemy import Engine, text
@@ -369,6 +372,37 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
     [line] = events(caplog, "relay.topic_missing")
     assert line["topic"] == missing and missing in line["reason"]
     assert not events(caplog, "relay.kafka_unavailable")
+
+
+def test_soft_time_limit_ends_the_pass_and_marks_nothing(database_url, engine, producers, caplog):
+    """Celery's soft limit arrives as an exception by signal; the relay's own
+    error handling must not swallow it as a Kafka failure of the rows."""
+    caplog.set_level(logging.INFO, "reaper")
+    black_hole = socket.socket()  # accepts connections, never answers
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(16)
+    bootstrap = f"127.0.0.1:{black_hole.getsockname()[1]}"
+    settings = relay_settings(database_url, bootstrap, "t", kafka_timeout=timedelta(seconds=20))
+    with engine.begin() as conn:
+        add_outbox_row(conn, topic="t", key="k")
+
+    def soft_limit(*_):
+        raise SoftTimeLimitExceeded()
+
+    previous = signal.signal(signal.SIGALRM, soft_limit)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    started = time.monotonic()
+    try:
+        result = make_relay(settings, engine, producers).run()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        black_hole.close()
+    assert time.monotonic() - started < 8
+    assert result.timed_out and result.to_json() == {"published": 0, "failed": 0, "pending": 1}
+    [row] = outbox_rows(engine)
+    assert (row["attempts"], row["last_error"], row["published_at"]) == (0, None, None)
+    assert events(caplog, "relay.time_limit") and not events(caplog, "relay.kafka_unavailable")
 
 
 # -- at least once, never twice in a pass --------------------------------------
