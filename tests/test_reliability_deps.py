@@ -132,11 +132,14 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
 
 def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
     redis = PrivateRedis().start()
+    metrics_port = free_port()
     worker = Worker(
         tmp_path,
         {
             "REAPER_BROKER_URL": redis.url,
             "REAPER_POLLING_INTERVAL": "1",
+            "REAPER_METRICS_PORT": str(metrics_port),
+            "REAPER_METRICS_ADDRESS": "127.0.0.1",
         },
         name="redis-fault",
     ).start()
@@ -146,8 +149,12 @@ def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
         redis.stop()
         down_at = time.monotonic()
         during = seed_rooms(engine, 5)
-        time.sleep(5)
+        time.sleep(1)
+        down_runs = scrape(metrics_port).get(RUN_DONE, 0)
+        time.sleep(4)
+        still = scrape(metrics_port)  # /metrics is served by the worker, not the broker
         assert ended(engine, during) == 0  # no broker, no ticks: nothing moves
+        assert still.get(RUN_DONE) == down_runs
         redis.start()
         back = time.monotonic()
         wait_until(lambda: ended(engine, during) == 5, 60, "reaped after Redis came back")
@@ -156,6 +163,7 @@ def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
         wait_until(lambda: ended(engine, after) == 3, 30, "still reaping afterwards")
         assert worker.proc is not None and worker.proc.poll() is None
         out = worker.output()
+        after_runs = scrape(metrics_port).get(RUN_DONE, 0)
     finally:
         worker.stop()
         redis.stop()
@@ -168,7 +176,9 @@ def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
             f"\n[figures] Redis killed under worker -B for {back - down_at:.1f}s: 5 rooms that "
             f"became eligible meanwhile reaped {recovery:.1f}s after it came back, by the same "
             f"worker process ({reconnects} connection-lost lines, {left} channels closed without "
-            f"the unacked restore that crashed Celery 5.7); lost 0, duplicated 0"
+            f"the unacked restore that crashed Celery 5.7); lost 0, duplicated 0; /metrics: "
+            f"{RUN_DONE} flat at {down_runs:.0f} while down (no ticks: the alert "
+            f"ConferenceReaperNotRunning would fire after 2 min), {after_runs:.0f} after"
         )
 
 
