@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import Engine, text
 
 from tests import factory as f
-from tests.conftest import ROOT, free_port
+from tests.conftest import BIN, ROOT, free_port
 from tests.kafkatools import create_topic, read_topic
 from tests.processes import Worker
 
@@ -115,6 +115,45 @@ def test_beat_relays_rows_without_a_cycle(engine, kafka_broker, tmp_path):
         "deal-1",
         event_id,
     )
+
+
+def test_celery_call_relay_outbox_by_hand(engine, kafka_broker, tmp_path):
+    topic = f"e2e.call.{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_broker, topic)
+    env = {**worker_env(kafka_broker, topic, "3600"), "REAPER_POLLING_INTERVAL": "3600"}
+    worker = Worker(tmp_path, env).start()
+    try:
+        with engine.begin() as conn:
+            for key in ("deal-1", "deal-2"):
+                event_id = str(uuid.uuid4())
+                conn.execute(
+                    text(
+                        "INSERT INTO messenger.integration_outbox (event_id, topic, message_key,"
+                        " payload) VALUES (:e, :t, :k, CAST(:p AS jsonb))"
+                    ),
+                    {"e": event_id, "t": topic, "k": key, "p": json.dumps({"eventId": event_id})},
+                )
+        called = subprocess.run(
+            [str(BIN / "celery"), "-A", "reaper", "call", "reaper.relay_outbox", "--expires", "60"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        task_id = called.stdout.strip()
+        worker.wait_for(
+            lambda out: f"reaper.relay_outbox[{task_id}] succeeded" in out, 30, "the relay task"
+        )
+        assert len(read_topic(kafka_broker, topic, expect=2)) == 2
+    finally:
+        worker.stop()
+    line = next(
+        ln
+        for ln in worker.output().splitlines()
+        if f"reaper.relay_outbox[{task_id}] succeeded" in ln
+    )
+    assert "{'published': 2, 'failed': 0, 'pending': 0}" in line
 
 
 def test_dev_kafka_script_starts_creates_the_topic_and_stops(tmp_path):
