@@ -13,11 +13,11 @@ _settings = get_settings()
 _interval = _settings.polling_interval.total_seconds()
 _lock_ttl = _settings.lock_ttl.total_seconds()
 _relay_interval = _settings.relay_interval.total_seconds()
-# A relay pass stops claiming at relay_max_pass_duration; the batch in flight
-# then waits at most about 2.5 Kafka timeouts (rounds, metadata, acknowledgements).
+# A relay pass stops claiming at relay_max_pass_duration; the two batches in
+# flight then settle within a few Kafka timeouts (rounds, metadata, acks).
 _relay_soft_limit = (
     _settings.relay_max_pass_duration.total_seconds()
-    + 3 * _settings.kafka_timeout.total_seconds()
+    + 4 * _settings.kafka_timeout.total_seconds()
     + 10
 )
 

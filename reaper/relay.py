@@ -29,7 +29,7 @@ from typing import Any
 from celery.exceptions import SoftTimeLimitExceeded
 from kafka import KafkaProducer
 from kafka.errors import KafkaConnectionError, KafkaTimeoutError
-from sqlalchemy import Engine, Row
+from sqlalchemy import Connection, Engine, RootTransaction, Row
 from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import metrics
@@ -80,6 +80,29 @@ class BatchReport:
     unavailable: BaseException | None = None
 
 
+@dataclass
+class InFlight:
+    """A claimed batch whose transaction is still open."""
+
+    conn: Connection
+    transaction: RootTransaction
+    overlapped: bool = False
+    rows: list[Row] = field(default_factory=list)
+    report: BatchReport = field(default_factory=BatchReport)
+    by_key: OrderedDict[str, deque[Row]] = field(default_factory=OrderedDict)
+    producer: KafkaProducer | None = None
+    sent: list[tuple[Row, Any]] = field(default_factory=list)
+
+    def abandon(self) -> None:
+        """Roll back what is not committed (locks freed, rows left pending) and
+        return the connection; safe to call twice."""
+        with suppress(SQLAlchemyError):
+            if self.transaction.is_active:
+                self.transaction.rollback()
+        with suppress(SQLAlchemyError):
+            self.conn.close()
+
+
 class Relay:
     def __init__(
         self,
@@ -125,7 +148,7 @@ class Relay:
         try:
             transaction = conn.begin()
             queries = Queries(conn)
-            budget = self.settings.relay_max_pass_duration + 3 * self.settings.kafka_timeout
+            budget = self.settings.relay_max_pass_duration + 6 * self.settings.kafka_timeout
             queries.bound_transaction(idle_ms=millis(budget) + 10_000, statement_ms=5_000)
             acquired = queries.try_relay_lock()
             try:
@@ -137,33 +160,58 @@ class Relay:
             conn.close()
 
     def _pass(self) -> RelayResult:
-        """Batches until one comes back short, Kafka is gone or the pass's time is spent."""
+        """Batches until one comes back short, Kafka is gone or the pass's time is spent.
+
+        Pipelined: while one batch waits for its acknowledgements, the next one
+        is claimed and sent, each in its own transaction. Their keys never
+        overlap (a row whose key has an earlier pending row outside its own
+        batch is not claimed), so per-key order holds.
+        """
         started = time.monotonic()
         deadline = started + self.settings.relay_max_pass_duration.total_seconds()
         result = RelayResult()
-        while True:
-            try:
-                report = self._batch()
-            except SoftTimeLimitExceeded:
-                # The batch in flight rolled back: its rows go again next pass.
-                log(logger, "relay.time_limit", level=30, published=result.published)
-                result.timed_out = True
-                break
-            except SQLAlchemyError as exc:
-                log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
-                break
-            result.published += len(report.published)
-            result.failed += len(report.failures)
-            result.held_back += report.held_back
-            if report.unavailable is not None:
-                result.kafka_unavailable = True
-                break
-            if (
-                report.claimed < self.settings.relay_batch_size
-                or time.monotonic() >= deadline
-                or self.stop_event.is_set()
-            ):
-                break
+        current: InFlight | None = None
+        following: InFlight | None = None
+        try:
+            current = self._open(overlapped=False)
+            while current is not None:
+                going = not (
+                    current.report.unavailable is not None
+                    or time.monotonic() >= deadline
+                    or self.stop_event.is_set()
+                )
+                # A claim made while another batch was in flight may come back
+                # short only because that batch held its keys: not the end.
+                more = going and (
+                    current.overlapped or current.report.claimed >= self.settings.relay_batch_size
+                )
+                following = self._open(overlapped=True) if more else None
+                report = self._close(current)
+                current = None
+                result.published += len(report.published)
+                result.failed += len(report.failures)
+                result.held_back += report.held_back
+                if report.unavailable is not None:
+                    result.kafka_unavailable = True
+                    if following is not None:  # sent already: settle it, then stop
+                        report = self._close(following)
+                        following = None
+                        result.published += len(report.published)
+                        result.failed += len(report.failures)
+                    break
+                current, following = following, None
+                if current is None and more:
+                    current = self._open(overlapped=False)
+        except SoftTimeLimitExceeded:
+            # The batches in flight roll back: their rows go again next pass.
+            log(logger, "relay.time_limit", level=30, published=result.published)
+            result.timed_out = True
+        except SQLAlchemyError as exc:
+            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+        finally:
+            for flight in (current, following):
+                if flight is not None:
+                    flight.abandon()
         if not result.timed_out:
             result.deleted = self._retention(deadline)
         self._measure(result)
@@ -191,42 +239,61 @@ class Relay:
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
 
-    # -- one batch: claim, produce, mark, in one transaction ----------------
+    # -- one batch: claim and send (open), acknowledge and mark (close) -----
 
-    def _batch(self) -> BatchReport:
-        report = BatchReport()
-        with self.engine.begin() as conn:
+    def _open(self, *, overlapped: bool) -> InFlight | None:
+        """Claim a batch in a new transaction and send its first round; None when
+        nothing is due. ``overlapped``: another batch of this pass is in flight."""
+        conn = self.engine.connect()
+        flight = InFlight(conn, conn.begin(), overlapped=overlapped)
+        try:
             queries = Queries(conn)
-            # The transaction waits on Kafka: bound it so a hung relay's row
-            # locks are freed by the server (its rows are then sent again).
+            # The transaction waits on Kafka (its own acknowledgements and the
+            # batch before it): bound it so a hung relay's row locks are freed
+            # by the server (its rows are then sent again).
             queries.bound_transaction(
-                idle_ms=millis(self.settings.kafka_timeout) * 3 + 5_000,
+                idle_ms=millis(self.settings.kafka_timeout) * 6 + 5_000,
                 statement_ms=15_000,
             )
             queries.relay_planner()
-            rows = queries.claim_outbox_batch(self.settings.relay_batch_size)
-            report.claimed = len(rows)
-            if not rows:
-                return report
-            producer: KafkaProducer | None = None
+            flight.rows = queries.claim_outbox_batch(self.settings.relay_batch_size)
+            flight.report.claimed = len(flight.rows)
+            if not flight.rows:
+                flight.abandon()
+                return None
+            for row in flight.rows:  # id order, so each key's queue is in commit order
+                flight.by_key.setdefault(row.message_key, deque()).append(row)
             try:
-                producer = self.producers.get()
+                flight.producer = self.producers.get()
             except SoftTimeLimitExceeded:
                 raise
             except Exception as exc:  # no producer: Kafka unreachable or misconfigured
-                report.unavailable = exc
+                flight.report.unavailable = exc
             else:
-                self._produce(producer, rows, report)
+                heads = [queue[0] for queue in flight.by_key.values()]
+                flight.sent = self._send(flight.producer, heads, flight.report)
+        except BaseException:
+            flight.abandon()
+            raise
+        return flight
+
+    def _close(self, flight: InFlight) -> BatchReport:
+        """Await the acknowledgements (and further rounds), mark, commit."""
+        report = flight.report
+        try:
+            if flight.producer is not None and report.unavailable is None:
+                self._rounds(flight)
             if report.unavailable is not None:
                 error = describe(report.unavailable)
                 attempted = set(report.published) | set(report.failures)
-                for row in rows:
+                for row in flight.rows:
                     if row.id not in attempted:
                         report.failures[row.id] = error
-                self._log_unavailable(report.unavailable, rows, producer)
+                self._log_unavailable(report.unavailable, flight.rows, flight.producer)
                 self.producers.discard(f"Kafka unavailable: {error}")
             elif self.producers.broken():
                 self.producers.discard("the producer hit a fatal error")
+            queries = Queries(flight.conn)
             if report.published:
                 queries.mark_outbox_published(report.published)
             if report.failures:
@@ -235,7 +302,9 @@ class Relay:
                     self.settings.relay_backoff_initial.total_seconds(),
                     self.settings.relay_backoff_max.total_seconds(),
                 )
-        # committed
+            flight.transaction.commit()
+        finally:
+            flight.abandon()  # rolls back unless committed; returns the connection
         metrics.relay_published(len(report.published))
         if report.published:
             log(logger, "relay.published", count=len(report.published), claimed=report.claimed)
@@ -250,48 +319,57 @@ class Relay:
             )
         return report
 
-    def _produce(self, producer: KafkaProducer, rows: list[Row], report: BatchReport) -> None:
-        by_key: OrderedDict[str, deque[Row]] = OrderedDict()
-        for row in rows:  # id order, so each key's queue is in commit order
-            by_key.setdefault(row.message_key, deque()).append(row)
-        round_rows = [queue[0] for queue in by_key.values()]
-        # No new round after one Kafka timeout: the rest of those keys waits
-        # (in order) for the next batch, and the transaction stays short.
+    def _rounds(self, flight: InFlight) -> None:
+        """Acknowledge the sent round; then the next row of every acknowledged key,
+        until the batch is done or one Kafka timeout has passed (the rest of
+        those keys waits, in order, for a later batch)."""
+        assert flight.producer is not None
+        report = flight.report
         rounds_until = time.monotonic() + self.kafka_timeout
-        while round_rows and time.monotonic() < rounds_until:
-            sent: list[tuple[Row, Any]] = []
-            for row in round_rows:
-                try:
-                    future = producer.send(
-                        row.topic,
-                        key=row.message_key.encode(),
-                        value=row.value.encode(),
-                        headers=[
-                            ("event-id", row.event_id.encode()),
-                            ("event-type", (row.event_type or "").encode()),
-                            ("correlation-id", (row.correlation_id or "").encode()),
-                        ],
-                    )
-                except SoftTimeLimitExceeded:
-                    raise
-                except UNAVAILABLE as exc:  # metadata wait: no broker, or no such topic
-                    report.unavailable = exc
-                    break
-                except Exception as exc:  # this record refused (too large, bad topic name)
-                    self._row_failed(row, exc, report)
-                    continue
-                sent.append((row, future))
+        sent = flight.sent
+        while sent:
             acked = self._await(sent, report)
             if report.unavailable is not None:
                 return
-            round_rows = []
+            following = []
             for row in acked:
-                queue = by_key[row.message_key]
+                queue = flight.by_key[row.message_key]
                 queue.popleft()
                 if queue:
-                    round_rows.append(queue[0])
+                    following.append(queue[0])
+            if not following or time.monotonic() >= rounds_until:
+                break
+            sent = self._send(flight.producer, following, report)
         # rows behind a failed row of their key (or not reached) wait for later
-        report.held_back = sum(len(q) - 1 for q in by_key.values() if q)
+        report.held_back = sum(len(q) - 1 for q in flight.by_key.values() if q)
+
+    def _send(
+        self, producer: KafkaProducer, rows: list[Row], report: BatchReport
+    ) -> list[tuple[Row, Any]]:
+        """One round: at most one row per key, all sent before any is awaited."""
+        sent: list[tuple[Row, Any]] = []
+        for row in rows:
+            try:
+                future = producer.send(
+                    row.topic,
+                    key=row.message_key.encode(),
+                    value=row.value.encode(),
+                    headers=[
+                        ("event-id", row.event_id.encode()),
+                        ("event-type", (row.event_type or "").encode()),
+                        ("correlation-id", (row.correlation_id or "").encode()),
+                    ],
+                )
+            except SoftTimeLimitExceeded:
+                raise
+            except UNAVAILABLE as exc:  # metadata wait: no broker, or no such topic
+                report.unavailable = exc
+                break
+            except Exception as exc:  # this record refused (too large, bad topic name)
+                self._row_failed(row, exc, report)
+                continue
+            sent.append((row, future))
+        return sent
 
     def _await(self, sent: list[tuple[Row, Any]], report: BatchReport) -> list[Row]:
         """Every acknowledgement of a round, within one delivery timeout."""
