@@ -139,6 +139,9 @@ class Settings(BaseSettings):
     provision_timeout: Duration = timedelta(seconds=120)
     stale_live_timeout: Duration = timedelta(hours=4)
     batch_size: int = Field(100, ge=1, le=10_000)
+    # Batches of one phase run side by side on this many connections (SKIP
+    # LOCKED keeps them disjoint); 1 = one after the other. See bench/.
+    drain_lanes: int = Field(2, ge=1, le=8)
     lock_ttl: Duration = timedelta(seconds=120)
     max_run_duration: Duration = timedelta(seconds=30)
     recorder_url: Annotated[str, AfterValidator(_url("http", "https"))] | None = None

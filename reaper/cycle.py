@@ -12,8 +12,9 @@ import contextvars
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -32,6 +33,47 @@ from reaper.queries import Queries
 from reaper.recorder import RecorderClient
 
 logger = get_logger("cycle")
+
+# Guards what the lanes of one phase share: the cycle's excluded list, the clock.
+_SHARED = threading.Lock()
+
+
+def _copy(items: list[str]) -> list[str]:
+    with _SHARED:
+        return list(items)
+
+
+class _Drain:
+    """What the lanes of one phase share: batches, rows others held locked, stop."""
+
+    def __init__(self, lanes: int) -> None:
+        self.halt = threading.Event()
+        self.drained = False
+        self.batches = 0
+        self._lock = threading.Lock()
+        self._locked: set[str] = set()
+        # Rows a sibling lane had claimed look "locked" to this lane's batch; the
+        # sibling's outcome arrives within a batch or two of it: recent outcomes
+        # are enough to tell them apart (and memory stays bounded).
+        self._recent: deque[frozenset[str]] = deque(maxlen=4 * lanes)
+
+    def add(self, outcome: BatchOutcome) -> None:
+        taken = frozenset(
+            [r.conference_id for r in outcome.reaped] + [p.conference_id for p in outcome.poison]
+        )
+        with self._lock:
+            self.batches += 1
+            self._locked -= taken
+            self._recent.append(taken)
+            for room in outcome.locked:
+                if not any(room in batch for batch in self._recent):
+                    self._locked.add(room)
+
+    @property
+    def locked(self) -> set[str]:
+        with self._lock:
+            return set(self._locked)
+
 
 COUNT_KEYS = (
     "empty_timeout_count",
@@ -250,22 +292,56 @@ class Reaper:
         return True
 
     def _drain(self, phase: Phase, cycle: Cycle) -> None:
-        locked: set[str] = set()
-        batches = 0
-        # A committed batch is told (counts, metrics, spans, log lines) on a helper
-        # thread while PostgreSQL runs the next batch: two cores at work instead of
-        # taking turns on one (bench/: the telling was half of a batch's time).
-        # One report at a time keeps memory flat; contextvars go along for spans.
-        with ThreadPoolExecutor(1, thread_name_prefix="reaper-tell") as teller:
-            told: Future[None] | None = None
-            while True:
+        """Batches on ``drain_lanes`` connections side by side until one comes back short.
+
+        bench/ showed a drain on one connection taking turns with itself: the
+        batch statement, then the Python of its report, then the next. Lanes
+        claim disjoint batches (SKIP LOCKED, oldest first) so PostgreSQL works
+        on more than one core, and a committed batch is told (counts, metrics,
+        spans, log lines) on one helper thread while the next batches run.
+        """
+        lanes = self.settings.drain_lanes
+        drain = _Drain(lanes)
+        with (
+            ThreadPoolExecutor(lanes, thread_name_prefix="reaper-lane") as pool,
+            ThreadPoolExecutor(1, thread_name_prefix="reaper-tell") as teller,
+        ):
+            running = [
+                pool.submit(contextvars.copy_context().run, self._lane, phase, cycle, drain, teller)
+                for _ in range(lanes)
+            ]
+            try:
+                wait(running)
+            except BaseException:  # a soft time limit: every lane ends its batch, then stop
+                drain.halt.set()
+                wait(running)
+                raise
+            for lane in running:
+                lane.result()  # a lane's database error ends the phase (run_phase)
+        locked = drain.locked
+        cycle.counts["skipped_locked_count"] += len(locked)
+        metrics.skipped_locked(len(locked))
+        log(
+            logger,
+            "phase.completed",
+            run_id=cycle.run_id,
+            phase=phase.name,
+            batches=drain.batches,
+            reaped=cycle.counts[phase.count_key],
+            skipped_locked=len(locked),
+            drained=drain.drained,
+        )
+
+    def _lane(self, phase: Phase, cycle: Cycle, drain: _Drain, teller: Executor) -> None:
+        told: Future[None] | None = None
+        try:
+            while not drain.halt.is_set():
                 start_ns = time.time_ns()
                 outcome = self._batch(phase, cycle)
                 end_ns = time.time_ns()
-                batches += 1
-                locked.update(outcome.locked)
+                drain.add(outcome)
                 if told is not None:
-                    told.result()
+                    told.result()  # one report per lane in flight: memory stays flat
                 told = teller.submit(
                     contextvars.copy_context().run,
                     self._tell,
@@ -276,22 +352,19 @@ class Reaper:
                     end_ns,
                 )
                 self._after_commit(outcome)
-                short = outcome.claimed < self.settings.batch_size
-                if short or self.clock() >= cycle.deadline or self.stop_event.is_set():
+                if outcome.claimed < self.settings.batch_size:
+                    drain.drained = True
                     break
-            told.result()
-        cycle.counts["skipped_locked_count"] += len(locked)
-        metrics.skipped_locked(len(locked))
-        log(
-            logger,
-            "phase.completed",
-            run_id=cycle.run_id,
-            phase=phase.name,
-            batches=batches,
-            reaped=cycle.counts[phase.count_key],
-            skipped_locked=len(locked),
-            drained=short,
-        )
+                with _SHARED:  # the clock may be a test's plain iterator
+                    spent = self.clock() >= cycle.deadline
+                if spent or self.stop_event.is_set():
+                    break
+        except BaseException:
+            drain.halt.set()  # the other lanes end their batch in flight and stop
+            raise
+        finally:
+            if told is not None:
+                told.result()
 
     def _batch(self, phase: Phase, cycle: Cycle) -> BatchOutcome:
         with self.engine.begin() as conn:
@@ -306,10 +379,15 @@ class Reaper:
                 self.settings,
                 as_of=cycle.as_of,
                 run_id=cycle.run_id,
-                excluded=cycle.excluded,
+                excluded=_copy(cycle.excluded),
             )
-        # committed; the next batch must leave these out (so not deferred to _tell)
-        cycle.excluded.extend(p.conference_id for p in outcome.poison)
+            # Before the commit: a lane whose batch starts after it must leave them
+            # out. Two lanes may both have claimed one (between a claim and
+            # this line): it is counted and told once.
+            with _SHARED:
+                fresh = [p for p in outcome.poison if p.conference_id not in cycle.excluded]
+                cycle.excluded.extend(p.conference_id for p in fresh)
+            outcome.poison = fresh
         return outcome
 
     def _tell(

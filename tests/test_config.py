@@ -56,6 +56,7 @@ INVALID: dict[str, list[str]] = {
     "PROVISION_TIMEOUT": BAD_DURATIONS,
     "STALE_LIVE_TIMEOUT": BAD_DURATIONS,
     "BATCH_SIZE": ["0", "-1", "10001", "ten", "1.5", ""],
+    "DRAIN_LANES": ["0", "-1", "9", "two", "1.5", ""],
     "LOCK_TTL": BAD_DURATIONS,
     "MAX_RUN_DURATION": BAD_DURATIONS,
     "RECORDER_URL": ["ftp://recorder", "http://", "recorder:8080", f"http://u:{SECRET}@h:x/"],
