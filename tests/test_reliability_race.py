@@ -67,9 +67,12 @@ LEAVE = text(
     ), a AS (
         INSERT INTO race_audit (participant_id, action, at) SELECT id, 'leave', left_at FROM p
     )
+    -- the leave's own moment: an unreferenced CTE runs after the main UPDATE, so
+    -- clock_timestamp() here was a few microseconds before left_at, and a cycle
+    -- at that edge looked like a close inside the grace
     UPDATE messenger.conference_sessions
     SET active_participant_count = active_participant_count - 1,
-        last_activity_at = clock_timestamp(), updated_at = clock_timestamp()
+        last_activity_at = (SELECT left_at FROM p), updated_at = clock_timestamp()
     WHERE id = :id
     """
 )
