@@ -48,6 +48,9 @@ class _Drain:
 
     def __init__(self, lanes: int) -> None:
         self.halt = threading.Event()
+        # set once the first lane saw a full batch (full) or ended (not full)
+        self.decided = threading.Event()
+        self.full = False
         self.drained = False
         self.batches = 0
         self._lock = threading.Lock()
@@ -306,11 +309,19 @@ class Reaper:
             ThreadPoolExecutor(lanes, thread_name_prefix="reaper-lane") as pool,
             ThreadPoolExecutor(1, thread_name_prefix="reaper-tell") as teller,
         ):
-            running = [
-                pool.submit(contextvars.copy_context().run, self._lane, phase, cycle, drain, teller)
-                for _ in range(lanes)
-            ]
+
+            def lane() -> Future[None]:
+                return pool.submit(
+                    contextvars.copy_context().run, self._lane, phase, cycle, drain, teller
+                )
+
+            running = [lane()]
             try:
+                # The other lanes only after a full first batch: a quiet phase is
+                # one statement, as before.
+                drain.decided.wait()
+                if drain.full and not drain.halt.is_set():
+                    running += [lane() for _ in range(lanes - 1)]
                 wait(running)
             except BaseException:  # a soft time limit: every lane ends its batch, then stop
                 drain.halt.set()
@@ -355,6 +366,8 @@ class Reaper:
                 if outcome.claimed < self.settings.batch_size:
                     drain.drained = True
                     break
+                drain.full = True
+                drain.decided.set()
                 with _SHARED:  # the clock may be a test's plain iterator
                     spent = self.clock() >= cycle.deadline
                 if spent or self.stop_event.is_set():
@@ -363,6 +376,7 @@ class Reaper:
             drain.halt.set()  # the other lanes end their batch in flight and stop
             raise
         finally:
+            drain.decided.set()
             if told is not None:
                 told.result()
 

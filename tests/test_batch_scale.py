@@ -7,6 +7,9 @@ production, where a per-row expression evaluated once per batch would show.
 
 from __future__ import annotations
 
+import logging
+from datetime import timedelta
+
 from sqlalchemy import text
 
 from reaper.config import Settings
@@ -48,3 +51,50 @@ def test_every_room_of_a_full_batch_gets_its_own_event(database_url, engine):
     assert all(len(e["payload"]["payload"]["participants"]) == 2 for e in events)
     assert all(e["payload"]["payload"]["wasRecorded"] for e in events)
     assert open_rows == 0
+
+
+def test_two_lanes_count_only_the_rows_someone_else_holds(database_url, engine, caplog):
+    """Lanes see each other's claimed rows as locked; only the command's row is skipped."""
+    caplog.set_level(logging.INFO, "reaper")
+    settings = Settings(database_url=database_url, batch_size=50, drain_lanes=2)
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, 1_000)
+        held = conn.execute(
+            text(
+                "SELECT id::text FROM messenger.conference_sessions"
+                " ORDER BY last_activity_at LIMIT 1"
+            )
+        ).scalar_one()
+    command = engine.connect()
+    tx = command.begin()
+    command.execute(
+        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
+        {"id": held},
+    )
+    try:
+        result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    finally:
+        tx.rollback()
+        command.close()
+    assert result["empty_timeout_count"] == 999
+    assert result["skipped_locked_count"] == 1
+    told = [r for r in caplog.records if getattr(r, "event", None) == "batch.selected"]
+    threads = {r.threadName for r in told}
+    assert threads == {"reaper-tell_0"}  # told on the helper thread
+    with engine.connect() as conn:
+        events = f.outbox(conn)
+    assert len({e["payload"]["payload"]["conferenceId"] for e in events}) == 999
+    assert held not in {e["payload"]["payload"]["conferenceId"] for e in events}
+    again = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    assert again["empty_timeout_count"] == 1 and again["skipped_locked_count"] == 0
+
+
+def test_a_quiet_phase_is_one_statement_even_with_lanes(database_url, engine, caplog):
+    caplog.set_level(logging.INFO, "reaper")
+    settings = Settings(database_url=database_url, drain_lanes=4)
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, 10, idle=timedelta(seconds=5))  # within the grace
+    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    assert result["empty_timeout_count"] == 0
+    batches = [r.fields for r in caplog.records if getattr(r, "event", None) == "batch.selected"]
+    assert sorted(b["phase"] for b in batches) == ["empty_room", "provision_timeout", "stale_live"]
