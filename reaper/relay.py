@@ -21,6 +21,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -172,6 +173,11 @@ class Relay:
         result = RelayResult()
         current: InFlight | None = None
         following: InFlight | None = None
+        # One batch is acknowledged, marked and committed on this thread while
+        # the next one is claimed and sent on the calling thread (psycopg2 and
+        # the acknowledgement waits release the GIL, the sends need it).
+        closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-close")
+        closing: Future[BatchReport] | None = None
         try:
             current = self._open(overlapped=False)
             while current is not None:
@@ -185,17 +191,18 @@ class Relay:
                 more = going and (
                     current.overlapped or current.report.claimed >= self.settings.relay_batch_size
                 )
+                closing, current = closer.submit(self._close, current), None
                 following = self._open(overlapped=True) if more else None
-                report = self._close(current)
-                current = None
+                report = closing.result()
+                closing = None
                 result.published += len(report.published)
                 result.failed += len(report.failures)
                 result.held_back += report.held_back
                 if report.unavailable is not None:
                     result.kafka_unavailable = True
                     if following is not None:  # sent already: settle it, then stop
-                        report = self._close(following)
-                        following = None
+                        settling, following = following, None
+                        report = self._close(settling)
                         result.published += len(report.published)
                         result.failed += len(report.failures)
                     break
@@ -209,9 +216,19 @@ class Relay:
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
         finally:
+            # A batch being closed finishes on its own (bounded by the Kafka
+            # timeout); the ones this thread holds are rolled back.
             for flight in (current, following):
                 if flight is not None:
                     flight.abandon()
+            closer.shutdown(wait=True)
+            if closing is not None and not closing.cancelled():
+                if closing.exception() is None:
+                    report = closing.result()
+                    result.published += len(report.published)
+                    result.failed += len(report.failures)
+                elif not isinstance(closing.exception(), SQLAlchemyError | SoftTimeLimitExceeded):
+                    log(logger, "relay.close_failed", level=40, error=describe(closing.exception()))
         if not result.timed_out:
             result.deleted = self._retention(deadline)
         self._measure(result)
