@@ -13,6 +13,10 @@ Per batch, records go out in rounds: the first pending row of every key, then
 (for the keys whose row was acknowledged) the next one, and so on. Within a
 round every key has one record, so one round is sent as a burst and then every
 acknowledgement is awaited; the usual batch (one event per deal) is one round.
+
+Batches are pipelined: while one is acknowledged, marked and committed (on a
+closer thread), the next is claimed and sent; their keys never overlap. One
+pass runs at a time across all workers (``try_relay_lock``).
 """
 
 from __future__ import annotations
