@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -166,8 +167,19 @@ def realtime_rows(url: str) -> int:
     return count
 
 
-def drain(url: str, workdir: Path, expected: int, batch_size: int, timeout: float) -> Drain:
-    """Cycles sent to one running worker until ``expected`` rooms are closed."""
+def drain(
+    url: str,
+    workdir: Path,
+    expected: int,
+    batch_size: int,
+    timeout: float,
+    prepare: Callable[[], None],
+) -> Drain:
+    """Cycles sent to one running worker until ``expected`` rooms are closed.
+
+    The worker warms up on a quiet database (one cycle: imports, connections);
+    ``prepare`` then puts the eligible rooms in, and only then is the drain timed.
+    """
     env = worker_env(url, REAPER_BATCH_SIZE=str(batch_size))
     # the reaper queue only: the drain's relay ticks wait (no Kafka here)
     worker = Worker(env, workdir / "worker-drain.log", queues="reaper").start()
@@ -175,6 +187,7 @@ def drain(url: str, workdir: Path, expected: int, batch_size: int, timeout: floa
         # one quiet cycle first: imports, connections and caches are warm
         worker.call("reaper.reap")
         worker.wait_for('"cycle.completed"', 60)
+        prepare()
         result = Drain(rooms=expected, seconds=0.0)
         result.samples.append((0, rss_kib(worker.pool_pid())))  # warm and idle
         cycles = 1
