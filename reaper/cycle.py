@@ -327,8 +327,8 @@ class Reaper:
                 drain.halt.set()
                 wait(running)
                 raise
-            for lane in running:
-                lane.result()  # a lane's database error ends the phase (run_phase)
+            for finished in running:
+                finished.result()  # a lane's database error ends the phase (run_phase)
         locked = drain.locked
         cycle.counts["skipped_locked_count"] += len(locked)
         metrics.skipped_locked(len(locked))
