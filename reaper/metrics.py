@@ -65,6 +65,7 @@ EXPORTED = (
     "messenger_conf_reaper_errors_total",
     "messenger_conf_reaper_closing_lateness_seconds",
     "messenger_conf_reaper_mass_closure_blocked_total",
+    "messenger_conf_reaper_recorder_stop_failed_total",
     "messenger_outbox_relay_published_total",
     "messenger_outbox_pending",
     "messenger_outbox_oldest_pending_age_seconds",
@@ -124,6 +125,11 @@ class _Metrics:
         self.mass_closure_blocked = Counter(
             "messenger_conf_reaper_mass_closure_blocked_total",
             "stale_live runs the mass-closure guard stopped (they closed nothing).",
+            registry=r,
+        )
+        self.recorder_stop_failed = Counter(
+            "messenger_conf_reaper_recorder_stop_failed_total",
+            "Recording stop signals the recorder did not take (error, timeout, refused).",
             registry=r,
         )
         self.relay_published = Counter(
@@ -272,6 +278,11 @@ def items_closed(phase: str, outcome: str, lateness_seconds: Iterable[float | No
 
 def mass_closure_blocked() -> None:
     _m().mass_closure_blocked.inc()
+
+
+def recorder_stop_failed(count: int) -> None:
+    if count > 0:
+        _m().recorder_stop_failed.inc(count)
 
 
 def errors(count: int = 1) -> None:

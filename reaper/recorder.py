@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import quote
 
+from reaper import metrics
 from reaper.logs import get_logger, log
 
 logger = get_logger("recorder")
@@ -106,4 +107,6 @@ class RecorderClient:
                 conference_id=request.conference_id,
                 error="not sent within the batch's time budget",
             )
-        return [futures[future] for future in done if future.result()]
+        taken = [futures[future] for future in done if future.result()]
+        metrics.recorder_stop_failed(len(requests) - len(taken))
+        return taken

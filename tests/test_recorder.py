@@ -16,11 +16,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from sqlalchemy import Engine, text
 
+from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from tests import factory as f
 from tests.conftest import BIN, ROOT, free_port
 from tests.factory import T0
+
+FAILED_METRIC = "messenger_conf_reaper_recorder_stop_failed_total"
 
 
 @dataclass
@@ -152,9 +155,11 @@ def test_not_found_and_conflict_count_as_done(settings, engine, recorder, status
     with engine.begin() as conn:
         room = f.conference(conn, idle=timedelta(minutes=5))
         rec = f.recording(conn, room["id"])
+    failures_before = metrics.sample(FAILED_METRIC)
     reap(with_recorder(settings, recorder.url), engine)
     assert len(recorder.calls) == 1
     assert stop_requested(engine)[rec["id"]] is not None
+    assert metrics.sample(FAILED_METRIC) == failures_before
 
 
 def _failing_recorder_case(settings, engine, url, timeout, caplog) -> tuple[dict, str, float]:
@@ -163,9 +168,11 @@ def _failing_recorder_case(settings, engine, url, timeout, caplog) -> tuple[dict
         room = f.conference(conn, idle=timedelta(minutes=5))
         rec = f.recording(conn, room["id"])
         other = f.conference(conn, idle=timedelta(minutes=4))
+    failures_before = metrics.sample(FAILED_METRIC)
     started = time.monotonic()
     result = reap(with_recorder(settings, url, timeout), engine)
     elapsed = time.monotonic() - started
+    assert metrics.sample(FAILED_METRIC) - failures_before == 1  # counted, not only logged
     assert result["empty_timeout_count"] == 2 and result["failed_count"] == 0
     with engine.connect() as conn:
         statuses = f.statuses(conn)
