@@ -229,8 +229,15 @@ def test_prefork_worker_serves_whole_counts_across_replaced_children(
             worker.wait_for(
                 lambda out, t=task_id: f"reaper.reap[{t}] succeeded" in out, 60, f"cycle {n}"
             )
-        time.sleep(0.5)
+        # the last child may still be ending: poll rather than sleep a guess
+        deadline = time.monotonic() + 15
         samples = scrape(port)
+        while (
+            samples['messenger_conf_reaper_run_total{result="completed"}'] < cycles
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+            samples = scrape(port)
     finally:
         assert worker.stop() == 0
     assert samples['messenger_conf_reaper_run_total{result="completed"}'] == cycles
