@@ -8,7 +8,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -17,21 +16,11 @@ from sqlalchemy import Engine, text
 from tests import factory as f
 from tests.conftest import BIN, ROOT, free_port
 from tests.kafkatools import create_topic, read_topic
-from tests.processes import Worker
+from tests.processes import Worker, wait_until
 
 
 def now() -> datetime:
     return datetime.now(UTC)
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def published(engine: Engine) -> list[dict]:

@@ -6,7 +6,6 @@ import base64
 import json
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from datetime import UTC, datetime, timedelta
@@ -16,7 +15,7 @@ import pytest
 
 from tests import factory as f
 from tests.conftest import free_port, wait_for_port
-from tests.processes import ROOT, Worker
+from tests.processes import ROOT, Worker, wait_until
 
 CELERY = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "celery")
 AUTH = "ops:flower-Secret-1"
@@ -62,16 +61,6 @@ def get(url: str, auth: str | None = AUTH) -> tuple[int, bytes]:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def test_flower_shows_a_cycle_and_its_three_phases(engine, tmp_path, kafka_broker):

@@ -28,6 +28,7 @@ from tests import factory as f
 from tests.factory import T0
 from tests.invariants import audit_engine
 from tests.processes import Worker
+from tests.services import wait_until
 
 REAPER = str(Path(sys.executable).parent / "reaper")
 SOAK = os.environ.get("REAPER_SOAK") == "1"
@@ -105,18 +106,9 @@ def reap_once(log: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def wait_until(predicate, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if predicate():
-            return time.monotonic() - start
-        time.sleep(0.01)
-    raise AssertionError(f"{what} not within {timeout}s")
-
-
 def settle(engine: Engine) -> float:
     """Seconds until the killed runner's lock and sessions are gone."""
-    freed = wait_until(lambda: holder(engine) is None, LOCK_TTL, "lock free")
+    freed = wait_until(lambda: holder(engine) is None, LOCK_TTL, "lock free", 0.01)
 
     def idle() -> bool:
         with engine.connect() as conn:

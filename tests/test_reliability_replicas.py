@@ -21,7 +21,7 @@ from sqlalchemy import Engine, text
 from tests import factory as f
 from tests.invariants import audit_engine
 from tests.kafkatools import create_topic, read_topic
-from tests.processes import Worker
+from tests.processes import Worker, wait_until
 
 SOAK = os.environ.get("REAPER_SOAK") == "1"
 LOAD_SECONDS = 300 if SOAK else 20
@@ -29,15 +29,6 @@ LOAD_SECONDS = 300 if SOAK else 20
 
 def now() -> datetime:
     return datetime.now(UTC)
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def events_in(log: str, name: str) -> list[dict]:

@@ -20,23 +20,13 @@ from reaper.cycle import Cycle, Reaper
 from reaper.lock import holder
 from reaper.phases import EMPTY_ROOM
 from tests import factory as f
-from tests.processes import ROOT, Worker
+from tests.processes import ROOT, Worker, wait_until
 
 BIN = Path(sys.executable).parent
 
 
 def now() -> datetime:
     return datetime.now(UTC)
-
-
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def status_of(engine: Engine, conference_id: str) -> str:
