@@ -170,7 +170,7 @@ def phase_span(method: F) -> F:
             for key, value in cycle.counts.items():
                 span.set_attribute(f"reaper.{key}", value - counts.get(key, 0))
             span.set_attribute("reaper.skipped", cycle.skipped)
-            if name in getattr(cycle, "blocked", ()):
+            if name in cycle.blocked:
                 span.set_attribute("reaper.blocked", True)
             if cycle.errors > errors:
                 span.set_status(Status(StatusCode.ERROR, "phase failed"))

@@ -256,6 +256,19 @@ def test_prefork_worker_serves_whole_counts_across_replaced_children(
     assert not any(k.startswith("flower_") for k in samples)
 
 
+def run_script(script: str, multiproc_dir: Path) -> None:
+    """Run ``script`` in a fresh interpreter (the metrics mode is per process); it prints ok."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(multiproc_dir)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 def test_multiprocess_mode_files_wipe_and_dead_children(tmp_path):
     """In a fresh process (the mode is per process): wipe at start, mark_process_dead."""
     script = f"""
@@ -285,15 +298,7 @@ assert (directory / f"counter_{{child}}.db").exists()  # its counts stay
 assert "messenger_outbox_relay_published_total 7.0" in metrics.exposition().decode()
 print("ok")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    run_script(script, tmp_path)
 
 
 def test_other_processes_never_use_the_workers_directory(tmp_path):
@@ -308,13 +313,5 @@ from prometheus_client import values
 assert values.ValueClass is values.MutexValue
 print("ok")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    run_script(script, tmp_path)
     assert list(tmp_path.iterdir()) == []
