@@ -10,6 +10,7 @@ of a real ``worker -B`` mid-cycle.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -25,10 +26,13 @@ from sqlalchemy import Engine, create_engine, text
 from reaper.cycle import rfc3339
 from reaper.lock import holder
 from tests import factory as f
+from tests import services
 from tests.factory import T0
 from tests.invariants import audit_engine
 from tests.processes import Worker
-from tests.services import wait_until
+
+# A batch lasts milliseconds: poll fast enough to catch one in flight.
+wait_until = functools.partial(services.wait_until, interval=0.01)
 
 REAPER = str(Path(sys.executable).parent / "reaper")
 SOAK = os.environ.get("REAPER_SOAK") == "1"
@@ -108,7 +112,7 @@ def reap_once(log: Path) -> subprocess.Popen[bytes]:
 
 def settle(engine: Engine) -> float:
     """Seconds until the killed runner's lock and sessions are gone."""
-    freed = wait_until(lambda: holder(engine) is None, LOCK_TTL, "lock free", 0.01)
+    freed = wait_until(lambda: holder(engine) is None, LOCK_TTL, "lock free")
 
     def idle() -> bool:
         with engine.connect() as conn:
