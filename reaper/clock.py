@@ -1,0 +1,52 @@
+"""Time, written once: the moment now, RFC 3339 in and out, durations for people.
+
+The reaper compares rows against the database's clock (a cycle's ``as_of`` is
+read from PostgreSQL, see docs/design.md#time); the worker's own clock is used
+only to measure how far it is off (``clock_skew_seconds``) and, monotonic, to
+bound how long a phase runs in this process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+# A monotonic clock in seconds (time.monotonic); tests pass a thread-safe fake.
+Monotonic = Callable[[], float]
+
+
+def utcnow() -> datetime:
+    """The worker's wall clock, aware, in UTC."""
+    return datetime.now(UTC)
+
+
+def monotonic() -> float:
+    return time.monotonic()
+
+
+def parse_time(value: str | datetime) -> datetime:
+    """RFC 3339 (or an aware datetime) to an aware datetime; a naive value is taken as UTC."""
+    parsed = value if isinstance(value, datetime) else datetime.fromisoformat(value)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def rfc3339(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def rfc3339_or_none(value: datetime | None) -> str | None:
+    return None if value is None else rfc3339(value)
+
+
+def human(seconds: float) -> str:
+    """90 -> '1m30s', 14400 -> '4h' (two units at most)."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return "".join(parts[:2])

@@ -1,0 +1,154 @@
+"""The machinery of a phase: a batch function on N lanes until the work runs out.
+
+:func:`drain` calls ``batch()`` on ``lanes`` threads, each batch its own
+transaction, until one comes back short (nothing left), the deadline passes
+or a stop is asked. It always runs at least one batch, so a phase that is
+given no time left still makes progress. Why lanes: bench/ showed one
+connection taking turns with itself (the statement, then the Python of its
+report, then the next statement); with lanes PostgreSQL works on more than one
+core while a committed batch is reported. Lanes claim disjoint rows (the
+statements use ``FOR UPDATE SKIP LOCKED``, oldest first). The other lanes start
+only after a full first batch, so a quiet phase stays one statement.
+
+Each committed batch is handed to ``report`` on one teller thread while the
+next batches run; a lane waits for its previous report before handing in the
+next (memory stays flat). ``report`` runs on that single thread only, so it may
+count without a lock.
+
+A lane's exception stops the others after their batch in flight and is raised
+once they have ended; so is a ``BaseException`` (Celery's soft time limit)
+that arrives in the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from reaper.clock import Monotonic
+
+B = TypeVar("B")
+
+
+@dataclass
+class Drained:
+    batches: int = 0
+    drained: bool = False  # a batch came back short: nothing was left
+    stopped: bool = False  # a stop was asked
+
+
+class _Lanes(Generic[B]):
+    def __init__(self) -> None:
+        self.halt = threading.Event()
+        self.decided = threading.Event()  # the first batch came back (full or not)
+        self.full = False
+        self.result = Drained()
+        self._lock = threading.Lock()
+
+    def counted(self) -> None:
+        with self._lock:
+            self.result.batches += 1
+
+
+def drain(
+    batch: Callable[[], B],
+    report: Callable[[B], None],
+    *,
+    full: Callable[[B], bool],
+    lanes: int,
+    deadline: float,
+    clock: Monotonic,
+    stop: threading.Event,
+) -> Drained:
+    state: _Lanes[B] = _Lanes()
+    with (
+        ThreadPoolExecutor(lanes, thread_name_prefix="reaper-lane") as pool,
+        ThreadPoolExecutor(1, thread_name_prefix="reaper-tell") as teller,
+    ):
+
+        def lane() -> Future[None]:
+            context = contextvars.copy_context()
+            return pool.submit(context.run, _lane, state, batch, report, teller, full, deadline,
+                               clock, stop)  # fmt: skip
+
+        running = [lane()]
+        try:
+            state.decided.wait()
+            if state.full and not state.halt.is_set():
+                running += [lane() for _ in range(lanes - 1)]
+            wait(running)
+        except BaseException:  # a soft time limit: every lane ends its batch, then stop
+            state.halt.set()
+            wait(running)
+            raise
+        for finished in running:
+            finished.result()  # the first lane error, after every lane has ended
+    state.result.stopped = stop.is_set()
+    return state.result
+
+
+def _lane(
+    state: _Lanes[B],
+    batch: Callable[[], B],
+    report: Callable[[B], None],
+    teller: ThreadPoolExecutor,
+    full: Callable[[B], bool],
+    deadline: float,
+    clock: Monotonic,
+    stop: threading.Event,
+) -> None:
+    told: Future[None] | None = None
+    try:
+        while not state.halt.is_set():
+            outcome = batch()
+            state.counted()
+            if told is not None:
+                told.result()  # one report per lane in flight
+            told = teller.submit(contextvars.copy_context().run, report, outcome)
+            if not full(outcome):
+                state.result.drained = True
+                break
+            state.full = True
+            state.decided.set()
+            if clock() >= deadline or stop.is_set():
+                break
+    except BaseException:
+        state.halt.set()  # the other lanes end their batch in flight and stop
+        raise
+    finally:
+        state.decided.set()
+        if told is not None:
+            told.result()
+
+
+class SkippedLocked:
+    """Rows a batch found locked, less those a sibling lane had claimed.
+
+    A row a sibling lane had claimed looks "locked" to this lane's batch; the
+    sibling's outcome arrives within a batch or two of it, so recent outcomes
+    are enough to tell the two apart (and memory stays bounded). What remains
+    is what commands held: ``skipped_locked_count``.
+    """
+
+    def __init__(self, lanes: int) -> None:
+        self._lock = threading.Lock()
+        self._locked: set[str] = set()
+        self._recent: deque[frozenset[str]] = deque(maxlen=4 * lanes)
+
+    def add(self, taken: Iterable[str], locked: Iterable[str]) -> None:
+        claimed = frozenset(taken)
+        with self._lock:
+            self._locked -= claimed
+            self._recent.append(claimed)
+            for key in locked:
+                if not any(key in batch for batch in self._recent):
+                    self._locked.add(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._locked)

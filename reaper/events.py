@@ -1,0 +1,261 @@
+"""The seam after the commit: facts the engine emits, and the bus that delivers them.
+
+The engine (:mod:`reaper.cycle`, :mod:`reaper.relay`) says what happened, as
+plain frozen facts, once the database has committed it: a conference reaped, a
+batch committed, a phase completed, a cycle finished, a relay pass completed.
+Logs, Prometheus, OpenTelemetry, the database gauges and the recorder stop
+signal are subscribers, connected in one place when a process sets itself up
+(:mod:`reaper.wiring`), the way Oban attaches telemetry handlers. The engine
+imports none of them; a test subscribes a recorder of facts.
+
+A subscriber runs in the thread that emits (for batches: the drain's teller
+thread, never a lane) and must be thread-safe. One that raises is logged
+(``subscriber.failed``) and the others still run: what happens after a
+commit can never undo it, nor stop the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+from reaper.errors import describe
+from reaper.logs import get_logger, log
+
+logger = get_logger("events")
+
+F = TypeVar("F")
+Handler = Callable[[Any], None]
+
+
+class Bus:
+    """Facts by type to the handlers subscribed to that type, in subscription order."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[type, tuple[Handler, ...]] = {}
+        self._lock = threading.Lock()
+
+    def subscribe(self, fact_type: type[F], handler: Callable[[F], None]) -> None:
+        with self._lock:  # copy on write: emit() reads without the lock
+            self._handlers[fact_type] = (*self._handlers.get(fact_type, ()), handler)
+
+    def unsubscribe(self, fact_type: type[F], handler: Callable[[F], None]) -> None:
+        with self._lock:
+            self._handlers[fact_type] = tuple(
+                h for h in self._handlers.get(fact_type, ()) if h != handler
+            )
+
+    def wants(self, fact_type: type) -> bool:
+        return bool(self._handlers.get(fact_type))
+
+    def emit(self, fact: object) -> None:
+        for handler in self._handlers.get(type(fact), ()):
+            try:
+                handler(fact)
+            except Exception as exc:
+                log(
+                    logger,
+                    "subscriber.failed",
+                    level=logging.ERROR,
+                    fact=type(fact).__name__,
+                    subscriber=getattr(handler, "__qualname__", repr(handler)),
+                    error=describe(exc),
+                )
+
+    def emit_each(self, facts: Iterable[object], fact_type: type) -> None:
+        """Emit every fact of ``facts`` (all of ``fact_type``), only if anyone listens."""
+        if self.wants(fact_type):
+            for fact in facts:
+                self.emit(fact)
+
+
+# The bus of this process: the worker and the CLI connect its subscribers at
+# set-up (reaper.wiring.install); the engine emits to it unless given another.
+process_bus = Bus()
+
+
+# -- a cycle -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CycleStarted:
+    run_id: str
+    as_of: datetime
+    started_at: datetime  # the database's clock
+    # the worker's clock minus the database's, measured at the start
+    clock_skew_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CycleSkipped:
+    """Another cycle owns the run: this one changed nothing."""
+
+    run_id: str
+    as_of: datetime | None
+    reason: str
+    holder_pid: int | None = None
+    owner_run_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CycleTakenOver:
+    """The run's owner died or hung past its lease: this cycle took the run over."""
+
+    run_id: str
+    previous_run_id: str
+    previous_lease_expired_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class CycleFinished:
+    run_id: str
+    result: dict[str, Any]  # the task's result (docs/design.md#tasks)
+    errors: int
+    started_at: datetime
+    finished_at: datetime
+    blocked: tuple[str, ...] = ()
+    lost: bool = False  # the run was taken over before it finished
+    error: str | None = None  # the database failed the cycle's head or end
+
+
+# -- a phase -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConferenceReaped:
+    run_id: str
+    phase: str
+    conference_id: str
+    chat_id: str
+    deal_id: str
+    tenant_id: str | None
+    status: str
+    end_reason: str
+    duration_seconds: int | None
+    # ended_at minus the moment the room became eligible (the SLO's measure)
+    lateness_seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ConferenceRejected:
+    """A poison row: left out of its batch (the rest committed) and for the cycle."""
+
+    run_id: str
+    phase: str
+    conference_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCommitted:
+    run_id: str
+    phase: str
+    outcome: str  # items_total label
+    claimed: int
+    reaped: tuple[ConferenceReaped, ...]
+    rejected: tuple[ConferenceRejected, ...]
+    locked: int  # rows a command held (SKIP LOCKED) as this batch saw them
+    stops: tuple[Any, ...]  # reaper.recorder.StopRequest of the reaped rooms
+    started_ns: int  # wall clock, for spans
+    ended_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class MassClosure:
+    """stale_live would end too many live rooms at once (see cycle.Reaper)."""
+
+    run_id: str
+    phase: str
+    eligible: int
+    active: int
+    share: float
+    floor: int
+    allowed: bool  # the operator's one-run override
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseCompleted:
+    run_id: str
+    phase: str
+    batches: int
+    reaped: int
+    rejected: int
+    skipped_locked: int
+    drained: bool
+    started_ns: int
+    ended_ns: int
+    blocked: bool = False  # the mass-closure guard stopped it
+    lost: bool = False  # the run was no longer this cycle's: nothing done
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseFailed:
+    run_id: str
+    phase: str
+    error: str
+    started_ns: int
+    ended_ns: int
+    reaped: int = 0  # batches committed before the failure
+
+
+@dataclass(frozen=True, slots=True)
+class LockLost:
+    """The server ended the run lock's session: the phase outlived REAPER_LOCK_TTL."""
+
+    run_id: str
+    phase: str
+    error: str
+
+
+# -- after the commit ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StopSignalsSent:
+    requested: int
+    taken: int
+
+    @property
+    def failed(self) -> int:
+        return self.requested - self.taken
+
+
+@dataclass(frozen=True, slots=True)
+class GaugesMeasured:
+    """What the database says now: the census behind active_backlog, the outbox."""
+
+    active_backlog: int
+    outbox_pending: int
+    outbox_oldest_pending_age_seconds: float
+    outbox_parked: int
+
+
+# -- the relay --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RelayBatchCommitted:
+    claimed: int
+    published: int
+    failed: int
+    parked: int
+
+
+@dataclass(frozen=True, slots=True)
+class RelayPassCompleted:
+    published: int
+    failed: int  # will be tried again, after a back-off
+    parked: int  # refused for good, or out of attempts, in this pass
+    held_back: int
+    pending: int  # the outbox now
+    oldest_pending_age_seconds: float
+    outbox_parked: int
+    deleted: int
+    kafka_unavailable: bool
+    skipped: bool
+    timed_out: bool
+    duration_ms: int
