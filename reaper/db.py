@@ -1,11 +1,16 @@
-"""Engine, schema migration and database creation."""
+"""Engine, bounded transactions, schema migration and database creation."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy import Connection, Engine, RootTransaction, create_engine, make_url, text
+
+from reaper.budgets import Budget
+from reaper.queries import Queries
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -29,6 +34,23 @@ def engine_for(url: str) -> Engine:
         )
         _engines[url] = engine
     return engine
+
+
+@contextmanager
+def transaction(engine: Engine, budget: Budget) -> Iterator[Queries]:
+    """One transaction within ``budget`` (reaper/budgets.py), committed at the end."""
+    with engine.begin() as conn:
+        queries = Queries(conn)
+        queries.bound_transaction(budget)
+        yield queries
+
+
+def begin(conn: Connection, budget: Budget) -> tuple[RootTransaction, Queries]:
+    """A transaction within ``budget`` on a connection the caller holds (and ends)."""
+    transaction = conn.begin()
+    queries = Queries(conn)
+    queries.bound_transaction(budget)
+    return transaction, queries
 
 
 def dispose_engines(close: bool = True) -> None:

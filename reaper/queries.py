@@ -14,6 +14,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, TextClause, text
 
+from reaper.budgets import Budget
+
 QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
 _HEADER = re.compile(r"^-- name: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
 
@@ -46,11 +48,96 @@ class Queries:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
 
+    def bound_transaction(self, budget: Budget) -> None:
+        _run(
+            self.conn,
+            "bound_transaction",
+            idle_ms=str(budget.idle_ms),
+            statement_ms=str(budget.statement_ms),
+        )
+
+    def database_clock(self) -> datetime:
+        return _run(self.conn, "database_clock").scalar_one()
+
+    # -- the run: lock and ownership -----------------------------------------
+
     def try_run_lock(self) -> bool:
         return bool(_run(self.conn, "try_run_lock").scalar())
 
-    def bound_transaction(self, idle_ms: int, statement_ms: int) -> None:
-        _run(self.conn, "bound_transaction", idle_ms=str(idle_ms), statement_ms=str(statement_ms))
+    def wait_run_lock(self) -> None:
+        _run(self.conn, "wait_run_lock")
+
+    def run_lock_holder(self) -> int | None:
+        return _run(self.conn, "run_lock_holder").scalar()
+
+    def open_run(self) -> Row | None:
+        return _run(self.conn, "open_run").one_or_none()
+
+    def close_run(self, run_id: str, outcome: str | None = None) -> Row | None:
+        return _run(self.conn, "close_run", run_id=run_id, outcome=outcome).one_or_none()
+
+    def insert_run(
+        self,
+        *,
+        run_id: str,
+        as_of: datetime,
+        started_at: datetime,
+        max_run_s: float,
+        ttl_s: float,
+        owner: str,
+    ) -> bool:
+        """False when ``run_id`` names an earlier run."""
+        inserted = _run(
+            self.conn,
+            "insert_run",
+            run_id=run_id,
+            as_of=as_of,
+            started_at=started_at,
+            max_run_s=max_run_s,
+            ttl_s=ttl_s,
+            owner=owner,
+        ).one_or_none()
+        return inserted is not None
+
+    def run_for_phase(self, run_id: str, phase: str, ttl_s: float) -> Row | None:
+        return _run(
+            self.conn, "run_for_phase", run_id=run_id, phase=phase, ttl_s=ttl_s
+        ).one_or_none()
+
+    def run_state(self, run_id: str) -> Row | None:
+        return _run(self.conn, "run_state", run_id=run_id).one_or_none()
+
+    def save_run(
+        self,
+        run_id: str,
+        *,
+        counts: str,
+        excluded: list[str],
+        blocked: list[str],
+        paused: list[str],
+        errors: int,
+        ttl_s: float,
+    ) -> int:
+        return _run(
+            self.conn,
+            "save_run",
+            run_id=run_id,
+            counts=counts,
+            excluded=excluded,
+            blocked=blocked,
+            paused=paused,
+            errors=errors,
+            ttl_s=ttl_s,
+        ).rowcount
+
+    def count_run_error(self, run_id: str) -> int:
+        return _run(self.conn, "count_run_error", run_id=run_id).rowcount
+
+    def delete_old_runs(self, keep_s: float) -> int:
+        return _run(self.conn, "delete_old_runs", keep_s=keep_s).rowcount
+
+    def last_runs(self) -> list[Row]:
+        return list(_run(self.conn, "last_runs"))
 
     def end_active_batch(
         self,
@@ -102,11 +189,8 @@ class Queries:
         ).one()
         return int(row.eligible), int(row.active)
 
-    def mark_stop_requested(self, recording_ids: list[str], at: datetime) -> int:
-        return _run(self.conn, "mark_stop_requested", recording_ids=recording_ids, at=at).rowcount
-
-    def run_lock_holder(self) -> int | None:
-        return _run(self.conn, "run_lock_holder").scalar()
+    def mark_stop_requested(self, recording_ids: list[str]) -> int:
+        return _run(self.conn, "mark_stop_requested", recording_ids=recording_ids).rowcount
 
     # -- the outbox relay ----------------------------------------------------
 
@@ -120,21 +204,41 @@ class Queries:
         return _run(self.conn, "mark_outbox_published", ids=ids).rowcount
 
     def mark_outbox_failed(
-        self, failures: dict[int, str], backoff_initial_s: float, backoff_max_s: float
-    ) -> int:
-        return _run(
+        self,
+        failures: dict[int, str],
+        *,
+        backoff_initial_s: float,
+        backoff_max_s: float,
+        max_attempts: int,
+    ) -> list[int]:
+        """Back off each failed row; returns those that ran out of attempts (parked)."""
+        rows = _run(
             self.conn,
             "mark_outbox_failed",
             ids=list(failures),
             errors=list(failures.values()),
             backoff_initial_s=backoff_initial_s,
             backoff_max_s=backoff_max_s,
+            max_attempts=max_attempts,
+        )
+        return [row.id for row in rows if row.parked]
+
+    def mark_outbox_parked(self, refused: dict[int, str]) -> int:
+        return _run(
+            self.conn, "mark_outbox_parked", ids=list(refused), errors=list(refused.values())
         ).rowcount
 
-    def outbox_pending_stats(self) -> tuple[int, float]:
-        """``(pending rows, age in seconds of the oldest one)``."""
+    def outbox_pending_stats(self) -> tuple[int, float, int]:
+        """``(pending rows, age in seconds of the oldest one, parked rows)``."""
         row = _run(self.conn, "outbox_pending_stats").one()
-        return int(row.pending), float(row.oldest_age_seconds)
+        return int(row.pending), float(row.oldest_age_seconds), int(row.parked)
+
+    def parked_outbox(self, limit: int) -> list[Row]:
+        return list(_run(self.conn, "parked_outbox", limit=limit))
+
+    def requeue_outbox(self, event_id: str | None) -> int:
+        """Parked rows back to pending: one (by event id) or, with None, all."""
+        return _run(self.conn, "requeue_outbox", event_id=event_id).rowcount
 
     def delete_published_outbox(self, cutoff: datetime, batch_size: int) -> int:
         return _run(

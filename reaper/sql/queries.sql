@@ -17,11 +17,92 @@
 -- The single-runner lock, held until the end of the calling transaction.
 SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0));
 
+-- name: wait_run_lock
+-- The same lock for the phase of a cycle that owns the run: another session
+-- holds it only for an instant (a tick looking whether the run is free), so
+-- wait for it, within the transaction's lock_timeout.
+SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0));
+
 -- name: bound_transaction
--- A stuck holder is ended by the server, which frees its locks (LockTtl).
+-- A stuck holder is ended by the server, which frees its locks (budgets.py).
 SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, true),
        set_config('statement_timeout', :statement_ms, true),
        set_config('lock_timeout', :statement_ms, true);
+
+-- name: database_clock
+-- The reference clock of every comparison (docs/design.md#time).
+SELECT clock_timestamp() AS now;
+
+-- name: open_run
+-- The run's current owner, if any (at most one row is open: ux_reaper_runs_one_open),
+-- locked for the caller's transaction.
+SELECT run_id, lease_expires_at, lease_expires_at > clock_timestamp() AS live
+FROM messenger.reaper_runs
+WHERE finished_at IS NULL
+FOR UPDATE;
+
+-- name: close_run
+-- The end of a run: by its own cycle (completed, or failed when a phase
+-- failed), or by a cycle that takes it over (taken_over).
+UPDATE messenger.reaper_runs
+SET finished_at = clock_timestamp(),
+    outcome = coalesce(CAST(:outcome AS text),
+                       CASE WHEN errors > 0 THEN 'failed' ELSE 'completed' END)
+WHERE run_id = :run_id AND finished_at IS NULL
+RETURNING run_id, as_of, started_at, counts, blocked, paused, errors, outcome,
+          finished_at, finished_at - started_at AS took;
+
+-- name: insert_run
+INSERT INTO messenger.reaper_runs
+    (run_id, as_of, started_at, deadline, lease_expires_at, owner)
+VALUES (:run_id, :as_of, :started_at,
+        CAST(:started_at AS timestamptz) + make_interval(secs => :max_run_s),
+        clock_timestamp() + make_interval(secs => :ttl_s), :owner)
+ON CONFLICT (run_id) DO NOTHING
+RETURNING run_id;
+
+-- name: run_for_phase
+-- A phase of the cycle that owns the run: its state, locked, and the lease
+-- extended (only under the run lock, so no tick can take the run meanwhile).
+UPDATE messenger.reaper_runs
+SET phase = :phase, lease_expires_at = clock_timestamp() + make_interval(secs => :ttl_s)
+WHERE run_id = :run_id AND finished_at IS NULL
+RETURNING run_id, as_of, deadline, counts, excluded, blocked, paused, errors,
+          clock_timestamp() AS now;
+
+-- name: run_state
+SELECT run_id, as_of, started_at, counts, blocked, paused, errors, outcome, finished_at,
+       coalesce(finished_at, clock_timestamp()) - started_at AS took
+FROM messenger.reaper_runs
+WHERE run_id = :run_id;
+
+-- name: save_run
+-- What a phase adds to the cycle's totals; the lease runs from now again.
+UPDATE messenger.reaper_runs
+SET counts = CAST(:counts AS jsonb),
+    excluded = CAST(:excluded AS uuid[]),
+    blocked = CAST(:blocked AS text[]),
+    paused = CAST(:paused AS text[]),
+    errors = :errors,
+    lease_expires_at = clock_timestamp() + make_interval(secs => :ttl_s)
+WHERE run_id = :run_id AND finished_at IS NULL;
+
+-- name: count_run_error
+UPDATE messenger.reaper_runs SET errors = errors + 1
+WHERE run_id = :run_id AND finished_at IS NULL;
+
+-- name: delete_old_runs
+DELETE FROM messenger.reaper_runs
+WHERE finished_at < clock_timestamp() - make_interval(secs => :keep_s);
+
+-- name: last_runs
+-- reaper status: the open run and the last finished one.
+SELECT run_id, as_of, started_at, phase, lease_expires_at, owner, finished_at, outcome, counts,
+       errors
+FROM messenger.reaper_runs
+WHERE finished_at IS NULL
+   OR run_id = (SELECT run_id FROM messenger.reaper_runs
+                WHERE finished_at IS NOT NULL ORDER BY finished_at DESC LIMIT 1);
 
 -- name: stale_live_census
 -- The mass-closure guard's inputs: Active conferences stale_live would end now
@@ -142,14 +223,16 @@ realtime AS (
            now()
     FROM ended e
 )
--- lateness_seconds: ended_at minus the moment the room became eligible
--- (last_activity_at + window = last_activity_at + as_of - cutoff).
+-- lateness_seconds: from the moment the room became eligible (last_activity_at
+-- + window, the window being as_of - cutoff) to this statement, which commits
+-- right after: a queue wait or a late phase shows in it (the SLO's measure).
 -- ids as text: parsing them into uuid.UUID and back was a tenth of the Python per room
 SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id,
        e.deal_id::text AS deal_id, e.duration_seconds, NULL::text AS detail,
        e.tenant_id::text AS tenant_id,
        CASE WHEN isfinite(e.last_activity_at)
-            THEN extract(epoch FROM CAST(:cutoff AS timestamptz) - e.last_activity_at)::float8
+            THEN extract(epoch FROM clock_timestamp() - e.last_activity_at
+                         - (CAST(:as_of AS timestamptz) - CAST(:cutoff AS timestamptz)))::float8
        END AS lateness_seconds
 FROM ended e
 UNION ALL
@@ -233,8 +316,10 @@ realtime AS (
 SELECT 'reaped' AS kind, f.id::text AS conference_id, f.chat_id::text AS chat_id,
        f.deal_id::text AS deal_id, f.duration_seconds, NULL::text AS detail,
        f.tenant_id::text AS tenant_id,
+       -- from created_at + window to this statement (see end_active_batch)
        CASE WHEN isfinite(f.created_at)
-            THEN extract(epoch FROM CAST(:cutoff AS timestamptz) - f.created_at)::float8
+            THEN extract(epoch FROM clock_timestamp() - f.created_at
+                         - (CAST(:as_of AS timestamptz) - CAST(:cutoff AS timestamptz)))::float8
        END AS lateness_seconds
 FROM failed f
 UNION ALL
@@ -261,7 +346,7 @@ CROSS JOIN LATERAL (
 
 -- name: mark_stop_requested
 UPDATE messenger.call_recordings
-SET stop_requested_at = :at
+SET stop_requested_at = clock_timestamp()
 WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
 
 -- name: run_lock_holder
@@ -290,19 +375,20 @@ SELECT set_config('enable_sort', 'off', true), set_config('jit', 'off', true);
 -- until the relay's transaction ends (a concurrent relay skips them). Per
 -- message key nothing overtakes: a row is left out while an earlier row of its
 -- key is backing off (in the CTE, so held-back keys never fill the batch), or
--- is pending but not ours (claimed by another relay right now).
+-- is pending but not ours (claimed by another relay right now). Parked rows
+-- are not pending: they hold nothing back.
 -- Both checks are scalar subqueries on purpose: evaluated per candidate as one
 -- probe of ix_integration_outbox_pending_key, the cost follows the batch, not
 -- the backlog (as NOT EXISTS the planner hashed every pending row per batch).
 WITH claimed AS (
     SELECT o.id, o.event_id, o.topic, o.message_key, o.payload, o.attempts
     FROM messenger.integration_outbox o
-    WHERE o.published_at IS NULL
+    WHERE o.published_at IS NULL AND o.parked_at IS NULL
       AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now())
       AND (SELECT 1
            FROM messenger.integration_outbox b
            WHERE b.message_key = o.message_key
-             AND b.published_at IS NULL
+             AND b.published_at IS NULL AND b.parked_at IS NULL
              AND b.id < o.id
              AND b.next_attempt_at > now()
            LIMIT 1) IS NULL
@@ -318,7 +404,7 @@ FROM claimed c
 WHERE (SELECT 1
        FROM messenger.integration_outbox b
        WHERE b.message_key = c.message_key
-         AND b.published_at IS NULL
+         AND b.published_at IS NULL AND b.parked_at IS NULL
          AND b.id < c.id
          AND b.id NOT IN (SELECT id FROM claimed)
        LIMIT 1) IS NULL
@@ -333,22 +419,57 @@ SET published_at = clock_timestamp(),
 WHERE id = ANY (CAST(:ids AS bigint[])) AND published_at IS NULL;
 
 -- name: mark_outbox_failed
--- One attempt more, why, and an exponential back-off before the next one.
+-- One attempt more, why, and an exponential back-off before the next one; a
+-- row out of attempts (:max_attempts) is parked instead.
 UPDATE messenger.integration_outbox o
 SET attempts = o.attempts + 1,
-    last_error = f.error,
+    last_error = CASE WHEN o.attempts + 1 >= :max_attempts
+                      THEN f.error || ' (parked after ' || (o.attempts + 1) || ' attempts)'
+                      ELSE f.error END,
+    parked_at = CASE WHEN o.attempts + 1 >= :max_attempts THEN clock_timestamp() END,
     next_attempt_at = clock_timestamp() + make_interval(secs => least(
         CAST(:backoff_max_s AS float8),
         CAST(:backoff_initial_s AS float8) * power(2, least(o.attempts, 30))))
 FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[])) AS f(id, error)
+WHERE o.id = f.id AND o.published_at IS NULL
+RETURNING o.id, o.parked_at IS NOT NULL AS parked;
+
+-- name: mark_outbox_parked
+-- Refused for good (not retriable): parked at once, with why.
+UPDATE messenger.integration_outbox o
+SET attempts = o.attempts + 1,
+    last_error = f.error,
+    parked_at = clock_timestamp(),
+    next_attempt_at = NULL
+FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[])) AS f(id, error)
 WHERE o.id = f.id AND o.published_at IS NULL;
 
 -- name: outbox_pending_stats
--- messenger_outbox_pending and messenger_outbox_oldest_pending_age_seconds.
-SELECT count(*) AS pending,
-       coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0) AS oldest_age_seconds
+-- messenger_outbox_pending, messenger_outbox_oldest_pending_age_seconds and
+-- messenger_outbox_parked.
+SELECT count(*) FILTER (WHERE parked_at IS NULL) AS pending,
+       coalesce(extract(epoch FROM clock_timestamp()
+                        - min(created_at) FILTER (WHERE parked_at IS NULL)), 0)
+           AS oldest_age_seconds,
+       (SELECT count(*) FROM messenger.integration_outbox WHERE parked_at IS NOT NULL) AS parked
 FROM messenger.integration_outbox
-WHERE published_at IS NULL;
+WHERE published_at IS NULL AND parked_at IS NULL;
+
+-- name: parked_outbox
+-- reaper outbox parked: the rows the relay gave up on, oldest first.
+SELECT event_id::text AS event_id, message_key, topic, attempts, last_error, parked_at,
+       created_at
+FROM messenger.integration_outbox
+WHERE parked_at IS NOT NULL
+ORDER BY parked_at, id
+LIMIT :limit;
+
+-- name: requeue_outbox
+-- reaper outbox requeue: parked rows back to pending, as new (attempts 0, due now).
+UPDATE messenger.integration_outbox
+SET parked_at = NULL, attempts = 0, next_attempt_at = NULL
+WHERE parked_at IS NOT NULL
+  AND (CAST(:event_id AS uuid) IS NULL OR event_id = CAST(:event_id AS uuid));
 
 -- name: delete_published_outbox
 -- Retention, one small batch at a time.

@@ -1,0 +1,311 @@
+"""The run: one cycle at a time, from its first phase to its end.
+
+Two things keep cycles apart (docs/design.md#one-cycle-at-a-time):
+
+- the single-runner advisory lock (``pg_try_advisory_xact_lock``, the key of
+  docs/design.md#the-single-runner-lock) is the mutual exclusion of the work:
+  a phase holds it, in a transaction on a connection of its own, while its
+  batches run on others. It ends with that transaction, so it never travels
+  back into the pool; a killed runner's connection closes and frees it at
+  once; a hung one is ended by the server after ``REAPER_LOCK_TTL`` idle
+  (``idle_in_transaction_session_timeout``).
+- the run row (``messenger.reaper_runs``) says which cycle owns the run
+  between its phases, which are separate Celery tasks, often in other
+  processes. A cycle takes the run at its head; each of its phases checks that
+  the run is still its own and extends the lease; the end closes it. A cycle
+  that finds the run owned by a live lease is skipped whole; one that finds
+  the lease expired (the owner died or hung) closes that run as
+  ``taken_over`` and takes it.
+
+The run row is changed only under the lock, or by its own cycle (its end, or
+an error counted when a phase could not take the lock).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine, RootTransaction
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+
+from reaper import budgets
+from reaper.clock import rfc3339, utcnow
+from reaper.config import Settings
+from reaper.db import begin, transaction
+from reaper.errors import describe
+from reaper.lock import holder
+from reaper.queries import Queries
+
+# An as_of given by hand may be at most this much later than the database's clock.
+AS_OF_TOLERANCE = timedelta(seconds=5)
+# Finished runs are kept this long (reaper status), then deleted at a run's end.
+KEEP_FINISHED = timedelta(days=1)
+
+COUNT_KEYS = (
+    "empty_timeout_count",
+    "provision_failed_count",
+    "stale_timeout_count",
+    "skipped_locked_count",
+    "failed_count",
+)
+
+
+class RunLockBusy(RuntimeError):
+    """The lock is held by a session that is not this cycle's (an operator, a stray runner)."""
+
+
+class AsOfRefused(ValueError):
+    """A hand-given as_of is in the database's future: it could close rooms in use."""
+
+
+def owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a cycle's head found: the run taken, or why not."""
+
+    run_id: str
+    as_of: datetime
+    started_at: datetime  # the database's clock
+    clock_skew_seconds: float  # the worker's clock minus the database's
+    skipped: str | None = None  # why another cycle owns the run
+    holder_pid: int | None = None
+    owner_run_id: str | None = None
+    taken_over: str | None = None  # the run this cycle took over
+    taken_over_lease: datetime | None = None
+
+
+@dataclass
+class Run:
+    """A cycle's state as one of its phases holds it (under the run lock)."""
+
+    run_id: str
+    as_of: datetime
+    deadline: datetime
+    now: datetime  # the database's clock when the phase took the lock
+    counts: dict[str, int]
+    excluded: list[str]
+    blocked: list[str]
+    paused: list[str]
+    errors: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def from_row(cls, row: Any) -> Run:
+        return cls(
+            run_id=row.run_id,
+            as_of=row.as_of,
+            deadline=row.deadline,
+            now=row.now,
+            counts={key: int(row.counts.get(key, 0)) for key in COUNT_KEYS},
+            excluded=[str(x) for x in row.excluded],
+            blocked=list(row.blocked),
+            paused=list(row.paused),
+            errors=row.errors,
+        )
+
+    @property
+    def remaining(self) -> timedelta:
+        """What is left of the cycle's REAPER_MAX_RUN_DURATION (never negative)."""
+        return max(timedelta(0), self.deadline - self.now)
+
+    def excluded_now(self) -> list[str]:
+        with self._lock:
+            return list(self.excluded)
+
+    def exclude(self, conference_ids: list[str]) -> list[str]:
+        """Leave these out for the rest of the cycle; returns those not already left out
+        (two lanes may both have claimed one between a claim and this call)."""
+        with self._lock:
+            fresh = [c for c in conference_ids if c not in self.excluded]
+            self.excluded.extend(fresh)
+            return fresh
+
+
+@dataclass(frozen=True)
+class Finished:
+    run_id: str
+    as_of: datetime
+    started_at: datetime
+    finished_at: datetime | None
+    counts: dict[str, int]
+    blocked: list[str]
+    paused: list[str]
+    errors: int
+    duration_ms: int
+    lost: bool  # taken over by another cycle before this end
+
+    def result(self) -> dict[str, Any]:
+        """The task's result (docs/design.md#tasks)."""
+        return {
+            "run_id": self.run_id,
+            "as_of": rfc3339(self.as_of),
+            "skipped": False,
+            **self.counts,
+            "duration_ms": self.duration_ms,
+            "paused": list(self.paused),
+        }
+
+
+def unowned_result(run_id: str, as_of: datetime, *, skipped: bool) -> dict[str, Any]:
+    """The result of a cycle that changed nothing: skipped, or failed at its head."""
+    return {
+        "run_id": run_id,
+        "as_of": rfc3339(as_of),
+        "skipped": skipped,
+        **dict.fromkeys(COUNT_KEYS, 0),
+        "duration_ms": 0,
+        "paused": [],
+    }
+
+
+class PhaseClaim:
+    """The run lock held for one phase, on its own connection, with the run's state.
+
+    :meth:`release` saves what the phase added to the run and commits, which
+    ends the lock; it returns the error when the server had already ended the
+    session (the phase outlived REAPER_LOCK_TTL).
+    """
+
+    def __init__(self, conn: Connection, tx: RootTransaction, run: Run, ttl_s: float) -> None:
+        self.conn = conn
+        self.transaction = tx
+        self.run = run
+        self.ttl_s = ttl_s
+
+    def release(self) -> str | None:
+        run = self.run
+        try:
+            Queries(self.conn).save_run(
+                run.run_id,
+                counts=json.dumps(run.counts),
+                excluded=run.excluded,
+                blocked=run.blocked,
+                paused=run.paused,
+                errors=run.errors,
+                ttl_s=self.ttl_s,
+            )
+            self.transaction.commit()
+            return None
+        except DBAPIError as exc:
+            return describe(exc)
+        finally:
+            self.conn.close()
+
+
+class Runs:
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.ttl_s = settings.lock_ttl.total_seconds()
+
+    def take(self, run_id: str, as_of: datetime | None) -> Start:
+        """The head of a cycle: take the run, or find why another cycle has it.
+
+        Raises AsOfRefused before anything else when ``as_of`` is later than the
+        database's clock plus AS_OF_TOLERANCE.
+        """
+        with transaction(self.engine, budgets.quick()) as queries:
+            before = utcnow()
+            now = queries.database_clock()
+            after = utcnow()
+            skew = ((before - now) + (after - now)).total_seconds() / 2
+            if as_of is not None and as_of > now + AS_OF_TOLERANCE:
+                raise AsOfRefused(
+                    f"as_of {rfc3339(as_of)} is later than the database's clock "
+                    f"{rfc3339(now)} plus {AS_OF_TOLERANCE.total_seconds():g} s"
+                )
+            start = Start(run_id, as_of or now, now, skew)
+            if not queries.try_run_lock():
+                holder = queries.run_lock_holder()
+                return replace(
+                    start,
+                    skipped="the single-runner lock is held by another session",
+                    holder_pid=holder if holder is not None else -1,
+                )
+            current = queries.open_run()
+            if current is not None and current.live:
+                return replace(
+                    start,
+                    skipped=f"cycle {current.run_id} owns the run",
+                    owner_run_id=current.run_id,
+                )
+            if current is not None:
+                queries.close_run(current.run_id, "taken_over")
+                start = replace(
+                    start, taken_over=current.run_id, taken_over_lease=current.lease_expires_at
+                )
+            if not queries.insert_run(
+                run_id=run_id,
+                as_of=start.as_of,
+                started_at=now,
+                max_run_s=self.settings.max_run_duration.total_seconds(),
+                ttl_s=self.ttl_s,
+                owner=owner(),
+            ):
+                raise ValueError(f"run_id {run_id} was used by an earlier cycle")
+            return start
+
+    def count_error(self, run_id: str) -> None:
+        """A phase of the run failed before it could hold the run (best effort: the
+        database may be the failure)."""
+        try:
+            with transaction(self.engine, budgets.quick()) as queries:
+                queries.count_run_error(run_id)
+        except SQLAlchemyError:
+            pass
+
+    def claim(self, run_id: str, phase: str) -> PhaseClaim | None:
+        """The run lock and the run's state for one of its phases; None when the
+        run is no longer this cycle's (taken over, or ended)."""
+        conn = self.engine.connect()
+        try:
+            tx, queries = begin(conn, budgets.run_lock(self.settings))
+            try:
+                queries.wait_run_lock()
+            except OperationalError as exc:  # lock_timeout or statement_timeout
+                raise RunLockBusy(
+                    "the single-runner lock is held by another session "
+                    f"(backend pid {holder(self.engine)}): {describe(exc)}"
+                ) from exc
+            row = queries.run_for_phase(run_id, phase, self.ttl_s)
+            if row is None:
+                tx.rollback()
+                conn.close()
+                return None
+            return PhaseClaim(conn, tx, Run.from_row(row), self.ttl_s)
+        except BaseException:
+            conn.close()
+            raise
+
+    def finish(self, run_id: str) -> Finished:
+        """Close the run (its own end) and read its totals; ``lost`` when another
+        cycle had taken it over."""
+        with transaction(self.engine, budgets.quick()) as queries:
+            row = queries.close_run(run_id)
+            lost = row is None
+            if lost:
+                row = queries.run_state(run_id)
+                if row is None:
+                    raise ValueError(f"no run {run_id}")
+            queries.delete_old_runs(KEEP_FINISHED.total_seconds())
+        return Finished(
+            run_id=row.run_id,
+            as_of=row.as_of,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+            counts={key: int(row.counts.get(key, 0)) for key in COUNT_KEYS},
+            blocked=list(row.blocked),
+            paused=list(row.paused),
+            errors=row.errors + (1 if lost else 0),
+            duration_ms=max(0, round(row.took.total_seconds() * 1000)),
+            lost=lost,
+        )
