@@ -1,148 +1,65 @@
-"""One reap cycle: the three phases in order under the single-runner lock.
+"""One reap cycle: the three phases in order, the cycle owning the run throughout.
 
-:class:`Reaper` is the whole engine and knows nothing of Celery: the CLI runs a
-cycle in-process with :meth:`Reaper.run_cycle`, the Celery tasks run
-:meth:`Reaper.start`, :meth:`Reaper.run_phase` (one task per phase) and
-:meth:`Reaper.finish`, carrying :class:`Cycle` between them as JSON.
+:class:`Reaper` is the policy, and knows nothing of Celery, logs, metrics or
+traces. A cycle is :meth:`Reaper.start` (take the run, or be skipped),
+:meth:`Reaper.run_phase` for each phase, :meth:`Reaper.finish`. The Celery
+tasks call these three, each phase in a task of its own; ``reaper reap
+--once`` calls :meth:`Reaper.run_cycle`, which calls the very same three.
+
+What happened is told as facts (:mod:`reaper.events`) once committed; the
+machinery of a phase's batches is :mod:`reaper.drain`, the run's ownership
+:mod:`reaper.runs`.
 """
 
 from __future__ import annotations
 
-import contextvars
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import metrics, tracing
+from reaper import budgets
+from reaper.clock import Monotonic, monotonic, parse_time, rfc3339, utcnow
 from reaper.config import Settings
-from reaper.db import engine_for
-from reaper.lock import millis, run_lock
-from reaper.logs import get_logger, log
-from reaper.overview import refresh_gauges
-from reaper.phases import ORDER, PHASES, STALE_LIVE, BatchOutcome, Phase, reap_batch
-from reaper.queries import Queries
-from reaper.recorder import RecorderClient
-
-logger = get_logger("cycle")
-
-# Guards what the lanes of one phase share: the cycle's excluded list, the clock.
-_SHARED = threading.Lock()
-
-
-def _copy(items: list[str]) -> list[str]:
-    with _SHARED:
-        return list(items)
-
-
-class _Drain:
-    """What the lanes of one phase share: batches, rows others held locked, stop."""
-
-    def __init__(self, lanes: int) -> None:
-        self.halt = threading.Event()
-        # set once the first lane saw a full batch (full) or ended (not full)
-        self.decided = threading.Event()
-        self.full = False
-        self.drained = False
-        self.batches = 0
-        self._lock = threading.Lock()
-        self._locked: set[str] = set()
-        # Rows a sibling lane had claimed look "locked" to this lane's batch; the
-        # sibling's outcome arrives within a batch or two of it: recent outcomes
-        # are enough to tell them apart (and memory stays bounded).
-        self._recent: deque[frozenset[str]] = deque(maxlen=4 * lanes)
-
-    def add(self, outcome: BatchOutcome) -> None:
-        taken = frozenset(
-            [r.conference_id for r in outcome.reaped] + [p.conference_id for p in outcome.poison]
-        )
-        with self._lock:
-            self.batches += 1
-            self._locked -= taken
-            self._recent.append(taken)
-            for room in outcome.locked:
-                if not any(room in batch for batch in self._recent):
-                    self._locked.add(room)
-
-    @property
-    def locked(self) -> set[str]:
-        with self._lock:
-            return set(self._locked)
-
-
-COUNT_KEYS = (
-    "empty_timeout_count",
-    "provision_failed_count",
-    "stale_timeout_count",
-    "skipped_locked_count",
-    "failed_count",
+from reaper.db import engine_for, transaction
+from reaper.drain import Drained, SkippedLocked, drain
+from reaper.errors import describe
+from reaper.events import (
+    BatchCommitted,
+    Bus,
+    ConferenceReaped,
+    ConferenceRejected,
+    CycleFinished,
+    CycleSkipped,
+    CycleStarted,
+    CycleTakenOver,
+    LockLost,
+    MassClosure,
+    PhaseCompleted,
+    PhaseFailed,
+    process_bus,
 )
-RESULT_KEYS = ("run_id", "as_of", "skipped", *COUNT_KEYS, "duration_ms")
-
-Clock = Callable[[], datetime]
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+from reaper.phases import ORDER, PHASES, BatchOutcome, Phase, reap_batch
+from reaper.runs import COUNT_KEYS, Run, Runs, Start, unowned_result
 
 
-def parse_time(value: str | datetime) -> datetime:
-    """RFC 3339 to an aware datetime; a naive value is taken as UTC."""
-    parsed = value if isinstance(value, datetime) else datetime.fromisoformat(value)
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
-def rfc3339(value: datetime) -> str:
-    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
-
-
-@dataclass
+@dataclass(frozen=True)
 class Cycle:
-    """A cycle's identity and running totals, carried from phase to phase."""
+    """A cycle's head: the run it took, or why it does not own the run."""
 
     run_id: str
-    as_of: datetime
-    started_at: datetime
-    deadline: datetime
-    skipped: bool = False
-    errors: int = 0
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNT_KEYS, 0))
-    # Poison rows are left out for the rest of the cycle, in every phase.
-    excluded: list[str] = field(default_factory=list)
-    # Phases the mass-closure guard stopped in this cycle.
-    blocked: list[str] = field(default_factory=list)
+    start: Start | None  # None: the head could not reach the database
+    failed: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key in ("as_of", "started_at", "deadline"):
-            data[key] = rfc3339(data[key])
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Cycle:
-        values = dict(data)
-        for key in ("as_of", "started_at", "deadline"):
-            values[key] = parse_time(values[key])
-        return cls(**values)
-
-    def result(self, now: datetime) -> dict[str, Any]:
-        """The contract's result: exactly RESULT_KEYS."""
-        duration = max(0, round((now - self.started_at).total_seconds() * 1000))
-        return {
-            "run_id": self.run_id,
-            "as_of": rfc3339(self.as_of),
-            "skipped": self.skipped,
-            **self.counts,
-            "duration_ms": duration,
-        }
+    @property
+    def owns_run(self) -> bool:
+        return self.start is not None and self.start.skipped is None
 
 
 class Reaper:
@@ -151,105 +68,149 @@ class Reaper:
         settings: Settings,
         *,
         engine: Engine | None = None,
-        recorder: RecorderClient | None = None,
-        clock: Clock = utcnow,
+        bus: Bus | None = None,
+        clock: Monotonic = monotonic,
         stop_event: threading.Event | None = None,
         allow_mass_closure: bool = False,
     ) -> None:
         self.settings = settings
+        self.engine = engine or engine_for(settings.database_url)
+        self.bus = bus or process_bus
+        self.runs = Runs(self.engine, settings)
+        # Bounds a phase in this process; tests pass a thread-safe fake.
+        self.clock = clock
+        # Asked to stop (SIGTERM, a warm shutdown): end after the batches in flight.
+        self.stop_event = stop_event or threading.Event()
         # The operator's one-run override of the mass-closure guard.
         self.allow_mass_closure = allow_mass_closure
-        self.engine = engine or engine_for(settings.database_url)
-        if recorder is None and settings.recorder_url:
-            recorder = RecorderClient(settings.recorder_url, settings.recorder_timeout)
-        self.recorder = recorder
-        self.clock = clock
-        self.stop_event = stop_event or threading.Event()
 
-    # -- the cycle ---------------------------------------------------------
-
-    def start(self, as_of: datetime | str | None = None, run_id: str | None = None) -> Cycle:
-        now = self.clock()
-        cycle = Cycle(
-            run_id=run_id or str(uuid.uuid4()),
-            as_of=parse_time(as_of) if as_of else now,
-            started_at=now,
-            deadline=now + self.settings.max_run_duration,
-        )
-        log(logger, "cycle.started", run_id=cycle.run_id, as_of=rfc3339(cycle.as_of))
-        return cycle
-
-    def lock_holder(self) -> int | None:
-        """Try the lock for an instant: the holder's pid, or None when free."""
-        with run_lock(self.engine, self.settings.lock_ttl) as holder:
-            return holder
-
-    def skip(self, cycle: Cycle, holder: int | None, phase: str | None = None) -> Cycle:
-        cycle.skipped = True
-        log(
-            logger,
-            "cycle.skipped",
-            run_id=cycle.run_id,
-            phase=phase,
-            reason="the single-runner lock is held by another session",
-            holder_pid=holder,
-        )
-        return cycle
-
-    def finish(self, cycle: Cycle) -> dict[str, Any]:
-        result = cycle.result(self.clock())
-        log(logger, "cycle.completed", **result, errors=cycle.errors)
-        metrics.cycle_finished(
-            skipped=cycle.skipped,
-            failed=cycle.errors > 0,
-            duration_seconds=result["duration_ms"] / 1000,
-        )
-        tracing.cycle_span(cycle, result, self.clock())
-        refresh_gauges(self.engine, self.settings, self.clock())  # active_backlog, outbox
-        return result
+    # -- a cycle -----------------------------------------------------------
 
     def run_cycle(
-        self, as_of: datetime | str | None = None, run_id: str | None = None
+        self,
+        as_of: datetime | str | None = None,
+        run_id: str | None = None,
+        phases: Iterable[str] = ORDER,
     ) -> dict[str, Any]:
-        """A whole cycle in this process (``reaper reap --once``)."""
+        """A whole cycle in this process: what the Celery tasks run, one after the other."""
         cycle = self.start(as_of, run_id)
-        for name in ORDER:
-            self.run_phase(name, cycle)
-        return self.finish(cycle)
+        if not cycle.owns_run:
+            return self.end_unowned(cycle)
+        for name in phases:
+            self.run_phase(name, cycle.run_id)
+        return self.finish(cycle.run_id)
 
-    # -- one phase ---------------------------------------------------------
+    def start(self, as_of: datetime | str | None = None, run_id: str | None = None) -> Cycle:
+        """Take the run for a new cycle whose ``as_of`` is the database's clock, or the
+        given moment unless it is in the database's future (raises runs.AsOfRefused)."""
+        run_id = run_id or str(uuid.uuid4())
+        given = parse_time(as_of) if as_of else None
+        try:
+            start = self.runs.take(run_id, given)
+        except SQLAlchemyError as exc:
+            return Cycle(run_id, None, failed=describe(exc))
+        self.bus.emit(
+            CycleStarted(start.run_id, start.as_of, start.started_at, start.clock_skew_seconds)
+        )
+        if start.taken_over is not None and start.taken_over_lease is not None:
+            self.bus.emit(CycleTakenOver(start.run_id, start.taken_over, start.taken_over_lease))
+        return Cycle(run_id, start)
 
-    @tracing.phase_span
-    def run_phase(self, name: str, cycle: Cycle) -> Cycle:
-        """Batches of one phase until one comes back short or the cycle's time is spent.
+    def end_unowned(self, cycle: Cycle) -> dict[str, Any]:
+        """The result of a cycle that does not own the run: skipped (another cycle
+        owns it) or failed (no database). Either way nothing changed."""
+        start = cycle.start
+        if start is None:
+            return self._failed(cycle.run_id, cycle.failed or "")
+        self.bus.emit(
+            CycleSkipped(
+                start.run_id, start.as_of, start.skipped or "", start.holder_pid, start.owner_run_id
+            )
+        )
+        result = unowned_result(start.run_id, start.as_of, skipped=True)
+        self.bus.emit(CycleFinished(start.run_id, result, 0, start.started_at, start.started_at))
+        return result
 
-        A phase always runs at least one batch, so a large backlog in one phase
-        never starves the next. A database failure rolls back the batch in
-        flight and ends the phase; the next cycle retries.
+    def finish(self, run_id: str) -> dict[str, Any]:
+        """Close the run and report the cycle's totals."""
+        try:
+            finished = self.runs.finish(run_id)
+        except SQLAlchemyError as exc:  # the run stays open: taken over after its lease
+            return self._failed(run_id, describe(exc))
+        result = finished.result()
+        self.bus.emit(
+            CycleFinished(
+                run_id,
+                result,
+                finished.errors,
+                finished.started_at,
+                finished.finished_at or finished.started_at,
+                tuple(finished.blocked),
+                lost=finished.lost,
+            )
+        )
+        return result
+
+    def _failed(self, run_id: str, error: str) -> dict[str, Any]:
+        """A cycle the database failed at its head or its end: reported, counted."""
+        now = utcnow()
+        result = unowned_result(run_id, now, skipped=False)
+        self.bus.emit(CycleFinished(run_id, result, 1, now, now, error=error))
+        return result
+
+    # -- one phase -----------------------------------------------------------
+
+    def run_phase(self, name: str, run_id: str) -> dict[str, Any]:
+        """One phase of the run's cycle: lock, own the run, guard, drain, report.
+
+        A phase always runs at least one batch, so a backlog in one phase never
+        starves the next. Any error ends the phase (the batch in flight rolls
+        back, those committed stay) and is counted; the cycle goes on.
+        Returns the phase's own share of the cycle's result.
         """
         phase = PHASES[name]
+        started_ns = time.time_ns()
         try:
-            with run_lock(self.engine, self.settings.lock_ttl) as holder:
-                if holder is not None:
-                    return self.skip(cycle, holder, phase.name)
-                if phase is STALE_LIVE and self._mass_closure_blocked(phase, cycle):
-                    return cycle
-                self._drain(phase, cycle)
-        except SQLAlchemyError as exc:
-            cycle.errors += 1
-            metrics.errors()
-            log(
-                logger,
-                "phase.failed",
-                level=40,
-                run_id=cycle.run_id,
-                phase=phase.name,
-                error=type(exc).__name__,
-                detail=str(getattr(exc, "orig", exc)).strip().splitlines()[0][:300],
+            claim = self.runs.claim(run_id, phase.name)
+        except Exception as exc:  # the database is gone, or the lock is held elsewhere
+            self.runs.count_error(run_id)
+            error = describe(exc)
+            self.bus.emit(PhaseFailed(run_id, phase.name, error, started_ns, time.time_ns()))
+            return phase_result(run_id, None, {}, {})
+        if claim is None:  # taken over (or ended): this cycle no longer owns the run
+            self.bus.emit(
+                PhaseCompleted(run_id, phase.name, 0, 0, 0, 0, False, started_ns, time.time_ns(),
+                               lost=True)
+            )  # fmt: skip
+            return phase_result(run_id, None, {}, {})
+        run = claim.run
+        before = dict(run.counts)
+        fact: PhaseCompleted | PhaseFailed
+        try:
+            if phase.guarded and self._mass_closure_blocked(phase, run):
+                run.blocked.append(phase.name)
+                fact = PhaseCompleted(
+                    run_id, phase.name, 0, 0, 0, 0, False, started_ns, time.time_ns(), blocked=True
+                )
+            else:
+                fact = self._drain(phase, run, started_ns)
+        except Exception as exc:
+            run.errors += 1
+            fact = PhaseFailed(
+                run_id,
+                phase.name,
+                describe(exc),
+                started_ns,
+                time.time_ns(),
+                reaped=run.counts[phase.count_key] - before[phase.count_key],
             )
-        return cycle
+        lost = claim.release()
+        if lost is not None:
+            self.bus.emit(LockLost(run_id, phase.name, lost))
+        self.bus.emit(fact)
+        return phase_result(run_id, run, before, run.counts)
 
-    def _mass_closure_blocked(self, phase: Phase, cycle: Cycle) -> bool:
+    def _mass_closure_blocked(self, phase: Phase, run: Run) -> bool:
         """True when this phase would end too many live rooms at once (then it ends none).
 
         When presence heartbeats stop arriving, every live room looks stale: that
@@ -257,207 +218,105 @@ class Reaper:
         ending more than the configured share of the Active conferences in one
         cycle is refused until an operator allows it for one run.
         """
-        with self.engine.begin() as conn:
-            queries = Queries(conn)
-            queries.bound_transaction(
-                idle_ms=millis(self.settings.lock_ttl),
-                statement_ms=millis(self.settings.max_run_duration),
-            )
+        with transaction(self.engine, budgets.batch(self.settings)) as queries:
             eligible, active = queries.stale_live_census(
-                as_of=cycle.as_of,
-                cutoff=phase.cutoff(self.settings, cycle.as_of),
-                excluded=cycle.excluded,
+                as_of=run.as_of,
+                cutoff=phase.cutoff(self.settings, run.as_of),
+                excluded=run.excluded_now(),
             )
         share, floor = self.settings.mass_closure_share, self.settings.mass_closure_floor
         if eligible <= floor or eligible <= share * active:
             return False
-        fields = {
-            "run_id": cycle.run_id,
-            "phase": phase.name,
-            "eligible": eligible,
-            "active": active,
-            "share": share,
-            "floor": floor,
-        }
-        if self.allow_mass_closure:
-            log(logger, "phase.mass_closure_allowed", level=30, **fields)
-            return False
-        cycle.blocked.append(phase.name)
-        metrics.mass_closure_blocked()
-        log(
-            logger,
-            "phase.mass_closure_blocked",
-            level=40,
-            **fields,
-            hint="presence outage? check heartbeats; to end them anyway run "
-            "`reaper reap --once --allow-mass-closure`",
-        )
-        return True
+        self.bus.emit(
+            MassClosure(run.run_id, phase.name, eligible, active, share, floor,
+                        allowed=self.allow_mass_closure)
+        )  # fmt: skip
+        return not self.allow_mass_closure
 
-    def _drain(self, phase: Phase, cycle: Cycle) -> None:
-        """Batches on ``drain_lanes`` connections side by side until one comes back short.
+    def _drain(self, phase: Phase, run: Run, started_ns: int) -> PhaseCompleted:
+        """The phase's batches on ``REAPER_DRAIN_LANES`` lanes until the work runs out."""
+        settings = self.settings
+        locked = SkippedLocked(settings.drain_lanes)
+        reaped = rejected = 0
 
-        bench/ showed a drain on one connection taking turns with itself: the
-        batch statement, then the Python of its report, then the next. Lanes
-        claim disjoint batches (SKIP LOCKED, oldest first) so PostgreSQL works
-        on more than one core, and a committed batch is told (counts, metrics,
-        spans, log lines) on one helper thread while the next batches run.
-        """
-        lanes = self.settings.drain_lanes
-        drain = _Drain(lanes)
-        with (
-            ThreadPoolExecutor(lanes, thread_name_prefix="reaper-lane") as pool,
-            ThreadPoolExecutor(1, thread_name_prefix="reaper-tell") as teller,
-        ):
-
-            def lane() -> Future[None]:
-                return pool.submit(
-                    contextvars.copy_context().run, self._lane, phase, cycle, drain, teller
-                )
-
-            running = [lane()]
-            try:
-                # The other lanes only after a full first batch: a quiet phase is
-                # one statement, as before.
-                drain.decided.wait()
-                if drain.full and not drain.halt.is_set():
-                    running += [lane() for _ in range(lanes - 1)]
-                wait(running)
-            except BaseException:  # a soft time limit: every lane ends its batch, then stop
-                drain.halt.set()
-                wait(running)
-                raise
-            for finished in running:
-                finished.result()  # a lane's database error ends the phase (run_phase)
-        locked = drain.locked
-        cycle.counts["skipped_locked_count"] += len(locked)
-        metrics.skipped_locked(len(locked))
-        log(
-            logger,
-            "phase.completed",
-            run_id=cycle.run_id,
-            phase=phase.name,
-            batches=drain.batches,
-            reaped=cycle.counts[phase.count_key],
-            skipped_locked=len(locked),
-            drained=drain.drained,
-        )
-
-    def _lane(self, phase: Phase, cycle: Cycle, drain: _Drain, teller: Executor) -> None:
-        told: Future[None] | None = None
-        try:
-            while not drain.halt.is_set():
-                start_ns = time.time_ns()
-                outcome = self._batch(phase, cycle)
-                end_ns = time.time_ns()
-                drain.add(outcome)
-                if told is not None:
-                    told.result()  # one report per lane in flight: memory stays flat
-                told = teller.submit(
-                    contextvars.copy_context().run,
-                    self._tell,
+        def batch() -> tuple[BatchOutcome, int, int]:
+            began = time.time_ns()
+            with transaction(self.engine, budgets.batch(settings)) as queries:
+                outcome = reap_batch(
+                    queries,
                     phase,
-                    cycle,
-                    outcome,
-                    start_ns,
-                    end_ns,
+                    settings,
+                    as_of=run.as_of,
+                    run_id=run.run_id,
+                    excluded=run.excluded_now(),
                 )
-                self._after_commit(outcome)
-                if outcome.claimed < self.settings.batch_size:
-                    drain.drained = True
-                    break
-                drain.full = True
-                drain.decided.set()
-                with _SHARED:  # the clock may be a test's plain iterator
-                    spent = self.clock() >= cycle.deadline
-                if spent or self.stop_event.is_set():
-                    break
-        except BaseException:
-            drain.halt.set()  # the other lanes end their batch in flight and stop
-            raise
-        finally:
-            drain.decided.set()
-            if told is not None:
-                told.result()
-
-    def _batch(self, phase: Phase, cycle: Cycle) -> BatchOutcome:
-        with self.engine.begin() as conn:
-            queries = Queries(conn)
-            queries.bound_transaction(
-                idle_ms=millis(self.settings.lock_ttl),
-                statement_ms=millis(self.settings.max_run_duration),
+                # Before the commit: a lane whose batch starts after it leaves them out.
+                fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
+                outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]
+            locked.add(
+                [r.conference_id for r in outcome.reaped]
+                + [r.conference_id for r in outcome.rejected],
+                outcome.locked,
             )
-            outcome = reap_batch(
-                queries,
-                phase,
-                self.settings,
-                as_of=cycle.as_of,
-                run_id=cycle.run_id,
-                excluded=_copy(cycle.excluded),
-            )
-            # Before the commit: a lane whose batch starts after it must leave them
-            # out. Two lanes may both have claimed one (between a claim and
-            # this line): it is counted and told once.
-            with _SHARED:
-                fresh = [p for p in outcome.poison if p.conference_id not in cycle.excluded]
-                cycle.excluded.extend(p.conference_id for p in fresh)
-            outcome.poison = fresh
-        return outcome
+            return outcome, began, time.time_ns()
 
-    def _tell(
-        self, phase: Phase, cycle: Cycle, outcome: BatchOutcome, start_ns: int, end_ns: int
-    ) -> None:
-        """Counts, metrics, spans and log lines of a committed batch (see _drain)."""
-        cycle.counts[phase.count_key] += len(outcome.reaped)
-        cycle.counts["failed_count"] += len(outcome.poison)
-        metrics.items_closed(
-            phase.name, phase.outcome, [item.lateness_seconds for item in outcome.reaped]
+        def report(done: tuple[BatchOutcome, int, int]) -> None:  # the teller thread only
+            nonlocal reaped, rejected
+            outcome, began, ended = done
+            reaped += len(outcome.reaped)
+            rejected += len(outcome.rejected)
+            run.counts[phase.count_key] += len(outcome.reaped)
+            run.counts["failed_count"] += len(outcome.rejected)
+            self.bus.emit(
+                BatchCommitted(
+                    run.run_id,
+                    phase.name,
+                    phase.outcome,
+                    outcome.claimed,
+                    tuple(outcome.reaped),
+                    tuple(outcome.rejected),
+                    len(outcome.locked),
+                    tuple(outcome.stops),
+                    began,
+                    ended,
+                )
+            )
+            self.bus.emit_each(outcome.reaped, ConferenceReaped)
+            self.bus.emit_each(outcome.rejected, ConferenceRejected)
+
+        drained: Drained = drain(
+            batch,
+            report,
+            full=lambda done: done[0].claimed >= settings.batch_size,
+            lanes=settings.drain_lanes,
+            deadline=self.clock() + run.remaining.total_seconds(),
+            clock=self.clock,
+            stop=self.stop_event,
         )
-        metrics.errors(len(outcome.poison))
-        tracing.conference_spans(phase, cycle, outcome, start_ns, end_ns)
-        log(
-            logger,
-            "batch.selected",
-            run_id=cycle.run_id,
-            phase=phase.name,
-            count=outcome.claimed,
-            reaped=len(outcome.reaped),
-            failed=len(outcome.poison),
-            skipped_locked=len(outcome.locked),
+        skipped_locked = len(locked)
+        run.counts["skipped_locked_count"] += skipped_locked
+        return PhaseCompleted(
+            run.run_id,
+            phase.name,
+            drained.batches,
+            reaped,
+            rejected,
+            skipped_locked,
+            drained.drained,
+            started_ns,
+            time.time_ns(),
         )
-        for item in outcome.reaped:
-            log(
-                logger,
-                "conference.reaped",
-                run_id=cycle.run_id,
-                phase=phase.name,
-                conference_id=item.conference_id,
-                chat_id=item.chat_id,
-                deal_id=item.deal_id,
-                status=phase.status,
-                end_reason=phase.end_reason,
-                duration_seconds=item.duration_seconds,
-            )
-        for item in outcome.poison:
-            log(
-                logger,
-                "item.failed",
-                level=40,
-                run_id=cycle.run_id,
-                phase=phase.name,
-                conference_id=item.conference_id,
-                error=item.reason,
-            )
 
-    def _after_commit(self, outcome: BatchOutcome) -> None:
-        if not outcome.stops or self.recorder is None:
-            return
-        done = self.recorder.stop_all(outcome.stops)
-        if done:
-            try:
-                with self.engine.begin() as conn:
-                    Queries(conn).mark_stop_requested(
-                        [stop.recording_id for stop in done], self.clock()
-                    )
-            except SQLAlchemyError as exc:  # best effort: the signal itself went out
-                log(logger, "recorder.mark_failed", level=30, error=type(exc).__name__)
+
+def phase_result(
+    run_id: str, run: Run | None, before: dict[str, int], after: dict[str, int]
+) -> dict[str, Any]:
+    """A phase task's result: the cycle's result keys, counting that phase alone;
+    ``skipped`` when the phase found the run no longer its cycle's."""
+    return {
+        "run_id": run_id,
+        "as_of": rfc3339(run.as_of) if run else None,
+        "skipped": run is None,
+        **{key: after.get(key, 0) - before.get(key, 0) for key in COUNT_KEYS},
+        "paused": [],
+    }

@@ -1,7 +1,8 @@
-"""The three phases (CONTRACT §5): what each selects, what it becomes.
+"""The three phases (docs/design.md#the-three-phases): what each selects, what it becomes.
 
 One call to :func:`reap_batch` is one set-based statement inside the caller's
-transaction; it returns what happened to each row it looked at.
+transaction; it returns what happened to each row it looked at, as the facts
+the engine will emit once the transaction has committed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from reaper.config import Settings
+from reaper.events import ConferenceReaped, ConferenceRejected
 from reaper.queries import Queries
 from reaper.recorder import StopRequest
 
@@ -21,6 +23,8 @@ class Phase:
     count_key: str  # key of the cycle result
     status: str
     end_reason: str
+    # the mass-closure guard applies (cycle.Reaper): a presence outage looks like this
+    guarded: bool = False
 
     def window(self, settings: Settings) -> timedelta:
         return {
@@ -37,7 +41,9 @@ EMPTY_ROOM = Phase("empty_room", "empty_timeout", "empty_timeout_count", "Ended"
 PROVISION_TIMEOUT = Phase(
     "provision_timeout", "provision_failed", "provision_failed_count", "Failed", "Error"
 )
-STALE_LIVE = Phase("stale_live", "stale_timeout", "stale_timeout_count", "Ended", "Timeout")
+STALE_LIVE = Phase(
+    "stale_live", "stale_timeout", "stale_timeout_count", "Ended", "Timeout", guarded=True
+)
 
 # A transition is terminal, so a room closed by an earlier phase is invisible to
 # the later ones; this order is the spec's.
@@ -45,33 +51,16 @@ PHASES: dict[str, Phase] = {p.name: p for p in (EMPTY_ROOM, PROVISION_TIMEOUT, S
 ORDER: tuple[str, ...] = tuple(PHASES)
 
 
-@dataclass(frozen=True)
-class Reaped:
-    conference_id: str
-    chat_id: str
-    deal_id: str
-    duration_seconds: int | None
-    tenant_id: str | None = None
-    # ended_at minus the moment the room became eligible (the SLO's measure)
-    lateness_seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class Poison:
-    conference_id: str
-    reason: str
-
-
 @dataclass
 class BatchOutcome:
-    reaped: list[Reaped] = field(default_factory=list)
-    poison: list[Poison] = field(default_factory=list)
+    reaped: list[ConferenceReaped] = field(default_factory=list)
+    rejected: list[ConferenceRejected] = field(default_factory=list)
     locked: list[str] = field(default_factory=list)
     stops: list[StopRequest] = field(default_factory=list)
 
     @property
     def claimed(self) -> int:
-        return len(self.reaped) + len(self.poison)
+        return len(self.reaped) + len(self.rejected)
 
 
 def reap_batch(
@@ -101,20 +90,26 @@ def reap_batch(
         )
     outcome = BatchOutcome()
     for row in rows:
-        conference_id = str(row.conference_id)
+        conference_id = row.conference_id
         if row.kind == "reaped":
             outcome.reaped.append(
-                Reaped(
+                ConferenceReaped(
+                    run_id,
+                    phase.name,
                     conference_id,
-                    str(row.chat_id),
-                    str(row.deal_id),
+                    row.chat_id,
+                    row.deal_id,
+                    row.tenant_id,
+                    phase.status,
+                    phase.end_reason,
                     row.duration_seconds,
-                    str(row.tenant_id),
                     row.lateness_seconds,
                 )
             )
         elif row.kind == "poison":
-            outcome.poison.append(Poison(conference_id, row.detail))
+            outcome.rejected.append(
+                ConferenceRejected(run_id, phase.name, conference_id, row.detail)
+            )
         elif row.kind == "locked":
             outcome.locked.append(conference_id)
         else:

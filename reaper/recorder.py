@@ -1,14 +1,23 @@
-"""Best-effort stop signal to the media stack's recorder (CONTRACT §8).
+"""The best-effort stop signal to the media stack's recorder.
 
-Called after a batch commits; it never raises, never undoes a transition, and
-bounds its own time: each call has the recorder timeout, the calls of a batch
-run side by side, and the whole batch's signals get at most two timeouts (a
-black-holed recorder must not hold the phase for batch/parallelism x timeout).
+See docs/design.md#the-recorder-stop-signal.
+
+:class:`RecorderClient` sends ``POST {REAPER_RECORDER_URL}/recordings/{id}/stop``
+and never raises: whatever the recorder does (refuses, times out, answers
+garbage, resets, redirects, sends a huge body, fails TLS) is a stop signal not
+taken, logged and counted. It bounds its own time: each call has the recorder
+timeout, the calls of a batch run side by side, and the whole batch's signals
+get at most two timeouts (a black-holed recorder must not hold the phase for
+batch/parallelism x timeout).
+
+:class:`StopSignal` is the subscriber that sends them once a batch has
+committed; a signal never undoes or holds a transition.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -16,13 +25,21 @@ from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import quote
 
-from reaper import metrics
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from reaper import budgets
+from reaper.db import transaction
+from reaper.errors import describe
+from reaper.events import BatchCommitted, Bus, StopSignalsSent
 from reaper.logs import get_logger, log
 
 logger = get_logger("recorder")
 
 DONE_STATUSES = frozenset({404, 409})
 PARALLEL_CALLS = 64
+# A reply to a stop call is a status line and a small body; more is not read.
+MAX_BODY = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -32,13 +49,23 @@ class StopRequest:
     reason: str
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A stop call is a POST to one endpoint: a redirect is an answer, not a hop."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+_opener = urllib.request.build_opener(_NoRedirects)
+
+
 class RecorderClient:
     def __init__(self, base_url: str, timeout: timedelta) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout.total_seconds()
 
     def stop(self, request: StopRequest) -> bool:
-        """True when the recorder took the signal (2xx, 404 or 409)."""
+        """True when the recorder took the signal (2xx, 404 or 409); never raises."""
         url = f"{self.base_url}/recordings/{quote(request.recording_id)}/stop"
         body = json.dumps({"conferenceId": request.conference_id, "reason": request.reason})
         http_request = urllib.request.Request(
@@ -51,19 +78,16 @@ class RecorderClient:
             },
         )
         try:
-            with urllib.request.urlopen(http_request, timeout=self.timeout) as response:
+            with _opener.open(http_request, timeout=self.timeout) as response:
                 status = response.status
-        except urllib.error.HTTPError as exc:
+                response.read(MAX_BODY)
+        except urllib.error.HTTPError as exc:  # a status, with or without a body
             status = exc.code
-        except (OSError, ValueError) as exc:  # refused, timed out, reset, bad URL
-            log(
-                logger,
-                "recorder.stop_failed",
-                level=30,
-                recording_id=request.recording_id,
-                conference_id=request.conference_id,
-                error=type(exc).__name__,
-            )
+        # The boundary of a "never raises" client: http.client's errors
+        # (BadStatusLine, IncompleteRead, LineTooLong...) are not OSError, and
+        # TLS, proxies and codecs add their own. Nothing gets past this line.
+        except Exception as exc:
+            self._failed(request, error=describe(exc))
             return False
         if 200 <= status < 300 or status in DONE_STATUSES:
             log(
@@ -74,15 +98,18 @@ class RecorderClient:
                 status=status,
             )
             return True
+        self._failed(request, status=status)
+        return False
+
+    def _failed(self, request: StopRequest, **why: object) -> None:
         log(
             logger,
             "recorder.stop_failed",
-            level=30,
+            level=logging.WARNING,
             recording_id=request.recording_id,
             conference_id=request.conference_id,
-            status=status,
+            **why,
         )
-        return False
 
     def stop_all(self, requests: list[StopRequest]) -> list[StopRequest]:
         """Send every signal; return those the recorder took within the budget."""
@@ -98,15 +125,35 @@ class RecorderClient:
             # Calls in flight end at their own timeout; queued ones are dropped.
             pool.shutdown(wait=False, cancel_futures=True)
         for future in late:
-            request = futures[future]
-            log(
-                logger,
-                "recorder.stop_failed",
-                level=30,
-                recording_id=request.recording_id,
-                conference_id=request.conference_id,
-                error="not sent within the batch's time budget",
-            )
-        taken = [futures[future] for future in done if future.result()]
-        metrics.recorder_stop_failed(len(requests) - len(taken))
+            self._failed(futures[future], error="not sent within the batch's time budget")
+        return [futures[future] for future in done if future.result()]
+
+
+class StopSignal:
+    """Subscriber: after a batch commits, each reaped room's running recording
+    gets one stop signal; ``stop_requested_at`` records those the recorder took,
+    so no later cycle sends them again."""
+
+    def __init__(self, client: RecorderClient, engine: Engine, bus: Bus) -> None:
+        self.client = client
+        self.engine = engine
+        self.bus = bus
+
+    def subscribe(self) -> None:
+        self.bus.subscribe(BatchCommitted, self.on_batch)
+
+    def on_batch(self, fact: BatchCommitted) -> None:
+        if fact.stops:
+            self.send(list(fact.stops))
+
+    def send(self, requests: list[StopRequest]) -> list[StopRequest]:
+        taken = self.client.stop_all(requests)
+        self.bus.emit(StopSignalsSent(requested=len(requests), taken=len(taken)))
+        if taken:
+            try:
+                with transaction(self.engine, budgets.quick()) as queries:
+                    queries.mark_stop_requested([stop.recording_id for stop in taken])
+            except SQLAlchemyError as exc:  # best effort: the signal itself went out
+                log(logger, "recorder.mark_failed", level=logging.WARNING, error=describe(exc))
         return taken
+
