@@ -1,8 +1,9 @@
-"""The Celery app and its process hooks."""
+"""The Celery app and the worker's process hooks."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from typing import Any
 
 from celery import Celery
@@ -12,20 +13,34 @@ from celery.signals import (
     worker_process_init,
     worker_process_shutdown,
     worker_shutdown,
+    worker_shutting_down,
 )
 
-from reaper import logs
+from reaper import logs, observability, wiring
 from reaper.config import get_settings
 from reaper.db import dispose_engines
-from reaper.observability import prepare
 
-# Before the tasks (and so any metric) are imported: metrics mode, Flower auth.
-prepare()
+observability.prepare()
+# The subscribers of the engine's facts, in every process that loads the app.
+wiring.install(get_settings())
 
 app = Celery("reaper", include=["reaper.tasks"])
 app.config_from_object("celeryconfig")
 
 logger = logs.get_logger("worker")
+
+# Set by the worker's main process when a warm shutdown begins; the pool
+# children (forked after worker_init, so they share it) end their phase after
+# the batch in flight, and a relay pass after its batches in flight.
+_stopping: Any = None
+
+
+def stopping() -> Any:
+    """An event (``is_set()``) that is set when this worker is shutting down."""
+    global _stopping
+    if _stopping is None:
+        _stopping = multiprocessing.Event()
+    return _stopping
 
 
 @after_setup_logger.connect
@@ -36,6 +51,7 @@ def _configure_logging(**_: Any) -> None:
 @worker_init.connect
 def _on_worker_start(**_: Any) -> None:
     logs.configure()
+    stopping()  # created before the pool forks
     settings = get_settings()
     if not settings.recorder_url:
         logs.log(
@@ -44,6 +60,12 @@ def _on_worker_start(**_: Any) -> None:
             level=logging.WARNING,
             reason="REAPER_RECORDER_URL is unset: no recording stop signals will be sent",
         )
+
+
+@worker_shutting_down.connect
+def _on_shutting_down(sig: str = "", how: str = "", **_: Any) -> None:
+    stopping().set()
+    logs.log(logger, "worker.stopping", signal=sig, how=how)
 
 
 @worker_process_init.connect

@@ -1,22 +1,23 @@
-"""Prometheus metrics (CONTRACT §9), correct under Celery's prefork pool.
+"""Prometheus metrics (docs/design.md#metrics), correct under Celery's prefork pool.
 
-Every metric lives in a private registry, so no other process that happens to
-load the app (``celery flower`` serves its own default registry) ever shows or
-serves them. Callers use the small functions below, never the objects.
+A subscriber of the engine's facts (:func:`subscribe`). Every metric lives in a
+private registry, so no other process that happens to load the app (``celery
+flower`` serves its own default registry) ever shows or serves them.
 
 Prefork: the worker's children each count in their own memory-mapped file
 under ``PROMETHEUS_MULTIPROC_DIR`` (one directory per worker, wiped when the
-worker starts); the worker's parent process serves ``/metrics`` on
+worker starts); the worker's main process serves ``/metrics`` on
 ``REAPER_METRICS_PORT`` from a fresh registry with a ``MultiProcessCollector``,
 which sums the files of every child, live or replaced, so a counter neither
 resets nor double-counts when a child is recycled. Gauges are measured from the
 database (the most recent measurement wins, whoever took it).
 
-``celery`` imports prometheus_client before it loads the app (Flower registers
-a ``celery`` sub-command), so the environment variable alone comes too late:
-:func:`prepare_process` also switches prometheus_client's value class, which is
-what the variable decides and is read only when a metric is created. It runs
-when the app is loaded, before any metric exists in that process.
+The documented way: ``PROMETHEUS_MULTIPROC_DIR`` in the worker's environment
+when it starts (the Procfile, the compose file and the Dockerfile set it), so
+prometheus_client picks its multiprocess values when it is imported. Without
+it, ``celery`` has imported prometheus_client before the app could set the
+variable (Flower registers a ``celery`` sub-command), and the value class
+prometheus_client chose at import is switched (see :func:`_use_values`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,18 +43,31 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    make_wsgi_app,
     multiprocess,
-    start_http_server,
     values,
 )
 
+from reaper.events import (
+    BatchCommitted,
+    Bus,
+    CycleFinished,
+    CycleStarted,
+    GaugesMeasured,
+    MassClosure,
+    PhaseCompleted,
+    PhaseFailed,
+    RelayBatchCommitted,
+    RelayPassCompleted,
+    StopSignalsSent,
+)
 from reaper.logs import get_logger, log
 
 logger = get_logger("metrics")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 RUN_RESULTS = ("completed", "skipped", "failed")
-# CONTRACT §9: closed conferences only. A run the mass-closure guard stopped
+# docs/design.md#metrics: closed conferences only. A run the mass-closure guard stopped
 # closed nothing: it has its own counter (mass_closure_blocked_total).
 ITEM_OUTCOMES = ("empty_timeout", "provision_failed", "stale_timeout")
 PHASE_NAMES = ("empty_room", "provision_timeout", "stale_live")
@@ -69,6 +86,10 @@ EXPORTED = (
     "messenger_outbox_relay_published_total",
     "messenger_outbox_pending",
     "messenger_outbox_oldest_pending_age_seconds",
+    "messenger_outbox_parked",
+    "messenger_conf_reaper_clock_skew_seconds",
+    "messenger_conf_reaper_last_cycle_timestamp_seconds",
+    "messenger_outbox_last_relay_timestamp_seconds",
 )
 
 # A cycle's target is < 5 s, its budget REAPER_MAX_RUN_DURATION (30 s).
@@ -149,6 +170,32 @@ class _Metrics:
             multiprocess_mode="mostrecent",
             registry=r,
         )
+        self.outbox_parked = Gauge(
+            "messenger_outbox_parked",
+            "integration_outbox rows parked: refused by Kafka for good, or out of attempts.",
+            multiprocess_mode="mostrecent",
+            registry=r,
+        )
+        self.clock_skew = Gauge(
+            "messenger_conf_reaper_clock_skew_seconds",
+            "The worker's clock minus the database's, measured at the start of each cycle.",
+            multiprocess_mode="mostrecent",
+            registry=r,
+        )
+        # The health check reads these two (/healthz): when this worker last saw
+        # a cycle end (completed, or skipped for another runner) and a relay pass.
+        self.last_cycle = Gauge(
+            "messenger_conf_reaper_last_cycle_timestamp_seconds",
+            "Unix time a reap cycle of this worker last completed or was skipped.",
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.last_relay = Gauge(
+            "messenger_outbox_last_relay_timestamp_seconds",
+            "Unix time a relay pass of this worker last ran.",
+            multiprocess_mode="max",
+            registry=r,
+        )
         # Series exist (at 0) from the start: an alert on increase() needs them.
         for result in RUN_RESULTS:
             self.run_total.labels(result=result)
@@ -174,23 +221,12 @@ def _m() -> _Metrics:
 
 # -- process set-up ----------------------------------------------------------
 
-
-def prepare_process(command: str | None, metrics_port: int) -> str | None:
-    """Choose how this process counts; call before any metric is created.
-
-    The worker (``celery worker``, metrics on): multiprocess mode in its own
-    directory, wiped now. Any other process (Flower, ``celery call``, beat
-    alone, the CLI): plain in-memory values, and an inherited
-    ``PROMETHEUS_MULTIPROC_DIR`` is dropped, so it can neither write into a
-    worker's directory nor serve what is there.
-    """
-    if command == "worker" and metrics_port:
-        return enable_multiprocess(os.environ.get(MULTIPROC_ENV) or None)
-    disable_multiprocess()
-    return None
+# What prometheus_client saw when it was imported (imported above, so now).
+_ENV_AT_IMPORT = os.environ.get(MULTIPROC_ENV)
 
 
 def enable_multiprocess(directory: str | None = None) -> str:
+    """The worker's main process, before its pool forks and before any metric exists."""
     global _multiproc_dir
     if _metrics is not None:
         raise RuntimeError("metrics already created in this process: multiprocess mode too late")
@@ -201,18 +237,34 @@ def enable_multiprocess(directory: str | None = None) -> str:
     for stale in glob.glob(os.path.join(directory, "*.db")):
         os.remove(stale)  # a previous worker's counts are not ours
     os.environ[MULTIPROC_ENV] = directory
-    values.ValueClass = values.MultiProcessValue()
+    if directory != _ENV_AT_IMPORT:
+        _use_values(values.MultiProcessValue())
     _multiproc_dir = directory
     return directory
 
 
-def disable_multiprocess() -> None:
+def keep_out_of_multiprocess() -> None:
+    """A process that is not the worker (Flower) and inherited the worker's
+    directory: its metrics stay in its own memory, never in that directory."""
     global _multiproc_dir
     os.environ.pop(MULTIPROC_ENV, None)
     os.environ.pop(MULTIPROC_ENV.lower(), None)
-    if _metrics is None:
-        values.ValueClass = values.MutexValue
+    if _ENV_AT_IMPORT:
+        _use_values(values.MutexValue)
     _multiproc_dir = None
+
+
+def _use_values(value_class: Any) -> None:
+    """Switch the value class prometheus_client chose from the environment at import.
+
+    prometheus_client (0.20 to 0.26, tested in tests/test_metrics.py) reads
+    ``values.ValueClass`` each time a metric is created; the variable is only
+    read at import. A release without that attribute fails here, loudly,
+    rather than counting into the wrong place.
+    """
+    if not hasattr(values, "ValueClass"):
+        raise RuntimeError("prometheus_client has no values.ValueClass: check reaper/metrics.py")
+    values.ValueClass = value_class
 
 
 def multiprocess_dir() -> str | None:
@@ -253,64 +305,93 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# -- what the reaper calls ---------------------------------------------------
+# -- the subscriber: facts to series ------------------------------------------
 
 
-def cycle_finished(*, skipped: bool, failed: bool, duration_seconds: float) -> None:
+def subscribe(bus: Bus) -> None:
+    """Count what the engine tells (reaper.wiring connects it at process set-up)."""
+    bus.subscribe(CycleStarted, _cycle_started)
+    bus.subscribe(CycleFinished, _cycle_finished)
+    bus.subscribe(BatchCommitted, _batch_committed)
+    bus.subscribe(PhaseCompleted, _phase_completed)
+    bus.subscribe(PhaseFailed, _phase_failed)
+    bus.subscribe(MassClosure, _mass_closure)
+    bus.subscribe(StopSignalsSent, _stop_signals)
+    bus.subscribe(GaugesMeasured, _gauges)
+    bus.subscribe(RelayBatchCommitted, _relay_batch)
+    bus.subscribe(RelayPassCompleted, _relay_pass)
+
+
+def _cycle_started(fact: CycleStarted) -> None:
+    _m().clock_skew.set(fact.clock_skew_seconds)
+
+
+def _cycle_finished(fact: CycleFinished) -> None:
     m = _m()
-    result = "skipped" if skipped else "failed" if failed else "completed"
+    skipped = bool(fact.result.get("skipped"))
+    result = "skipped" if skipped else "failed" if fact.errors > 0 else "completed"
     m.run_total.labels(result=result).inc()
+    if fact.error is not None:
+        m.errors.inc()
     if not skipped:
-        m.cycle_duration.observe(duration_seconds)
+        m.cycle_duration.observe(fact.result.get("duration_ms", 0) / 1000)
+    if result != "failed":
+        m.last_cycle.set(time.time())
 
 
-def items_closed(phase: str, outcome: str, lateness_seconds: Iterable[float | None]) -> None:
+def _batch_committed(fact: BatchCommitted) -> None:
     m = _m()
-    count = 0
-    histogram = m.lateness.labels(phase=phase)  # once per batch, not per room
-    for lateness in lateness_seconds:
-        count += 1
-        if lateness is not None:
-            histogram.observe(max(0.0, lateness))
-    if count:
-        m.items.labels(outcome=outcome).inc(count)
+    if fact.reaped:
+        histogram = m.lateness.labels(phase=fact.phase)  # once per batch, not per room
+        for item in fact.reaped:
+            if item.lateness_seconds is not None:
+                histogram.observe(max(0.0, item.lateness_seconds))
+        m.items.labels(outcome=fact.outcome).inc(len(fact.reaped))
+    if fact.rejected:
+        m.errors.inc(len(fact.rejected))
 
 
-def mass_closure_blocked() -> None:
-    _m().mass_closure_blocked.inc()
+def _phase_completed(fact: PhaseCompleted) -> None:
+    if fact.skipped_locked > 0:
+        _m().skip_locked.inc(fact.skipped_locked)
 
 
-def recorder_stop_failed(count: int) -> None:
-    if count > 0:
-        _m().recorder_stop_failed.inc(count)
+def _phase_failed(fact: PhaseFailed) -> None:
+    _m().errors.inc()
 
 
-def errors(count: int = 1) -> None:
-    if count > 0:
-        _m().errors.inc(count)
+def _mass_closure(fact: MassClosure) -> None:
+    if not fact.allowed:
+        _m().mass_closure_blocked.inc()
 
 
-def skipped_locked(count: int) -> None:
-    if count > 0:
-        _m().skip_locked.inc(count)
+def _stop_signals(fact: StopSignalsSent) -> None:
+    if fact.failed > 0:
+        _m().recorder_stop_failed.inc(fact.failed)
 
 
-def set_backlog(count: int) -> None:
-    _m().backlog.set(count)
-
-
-# -- what the outbox relay calls ---------------------------------------------
-
-
-def relay_published(count: int) -> None:
-    if count > 0:
-        _m().relay_published.inc(count)
-
-
-def set_outbox(pending: int, oldest_age_seconds: float) -> None:
+def _gauges(fact: GaugesMeasured) -> None:
     m = _m()
+    m.backlog.set(fact.active_backlog)
+    _set_outbox(m, fact.outbox_pending, fact.outbox_oldest_pending_age_seconds,
+                fact.outbox_parked)  # fmt: skip
+
+
+def _relay_batch(fact: RelayBatchCommitted) -> None:
+    if fact.published > 0:
+        _m().relay_published.inc(fact.published)
+
+
+def _relay_pass(fact: RelayPassCompleted) -> None:
+    _set_outbox(_m(), fact.pending, fact.oldest_pending_age_seconds, fact.outbox_parked)
+    if not fact.skipped:
+        _m().last_relay.set(time.time())
+
+
+def _set_outbox(m: _Metrics, pending: int, oldest_age_seconds: float, parked: int) -> None:
     m.outbox_pending.set(pending)
     m.outbox_oldest.set(max(0.0, oldest_age_seconds))
+    m.outbox_parked.set(parked)
 
 
 # -- reading and serving -----------------------------------------------------
@@ -365,16 +446,57 @@ def _serving_registry(refresh: Callable[[], None] | None = None) -> CollectorReg
     return served
 
 
+def read(name: str) -> float | None:
+    """The value ``/metrics`` would serve for an unlabelled series (all processes)."""
+    for family in _serving_registry().collect():
+        for sample_ in family.samples:
+            if sample_.name == name and not sample_.labels:
+                return sample_.value
+    return None
+
+
 @dataclass
 class Server:
     port: int
     close: Callable[[], None]
 
 
-def serve(port: int, address: str, refresh: Callable[[], None] | None = None) -> Server:
-    """Serve ``/metrics`` from this process (the worker's parent)."""
-    _m()  # the parent's own series (zeros) exist before the first scrape
-    httpd, thread = start_http_server(port, address, registry=_serving_registry(refresh))
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *_: Any) -> None:  # a scrape every few seconds is not news
+        pass
+
+
+Health = Callable[[], tuple[int, bytes]]
+
+
+def serve(
+    port: int,
+    address: str,
+    *,
+    refresh: Callable[[], None] | None = None,
+    health: Health | None = None,
+) -> Server:
+    """Serve ``/metrics`` (and ``/healthz``) from this process (the worker's main one)."""
+    _m()  # the main process's own series (zeros) exist before the first scrape
+    metrics_app = make_wsgi_app(_serving_registry(refresh))
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        if health is not None and environ.get("PATH_INFO") == "/healthz":
+            status, body = health()
+            start_response(
+                f"{status} {HTTPStatus(status).phrase}",
+                [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+            )
+            return [body]
+        return metrics_app(environ, start_response)
+
+    httpd = make_server(address, port, app, _ThreadingWSGIServer, _QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="reaper-metrics", daemon=True)
+    thread.start()
     bound = httpd.server_address[1]
 
     def close() -> None:

@@ -1,17 +1,15 @@
-"""Process set-up for metrics, traces and Flower, by the ``celery`` command being run.
+"""Process set-up of the worker and of Flower: metrics mode, serving, auth.
 
-:func:`prepare` runs when the Celery app is loaded (``reaper/celery_app.py``),
-which ``celery`` does before it runs the sub-command and before the worker
-imports the tasks, so before any metric exists in the process:
-
-- ``celery worker``: Prometheus multiprocess mode in a directory of its own
-  (``PROMETHEUS_MULTIPROC_DIR`` if set, else a private temporary one), wiped
-  now; the parent serves ``/metrics`` once the worker is ready; each pool
-  child configures tracing after the fork and says goodbye on exit.
-- ``celery flower``: refuses to start without ``FLOWER_BASIC_AUTH``; never
-  touches the worker's metrics directory.
-- anything else (``celery call``, ``inspect``, the ``reaper`` CLI): plain
-  in-process metrics that nobody serves.
+- ``celery worker``: on ``worker_init`` (the worker's main process, before the
+  pool forks) Prometheus goes into multiprocess mode in a directory of its own
+  (``PROMETHEUS_MULTIPROC_DIR`` from the worker's environment, else a private
+  temporary one), wiped now; the main process serves ``/metrics`` and
+  ``/healthz`` once the worker is ready; each pool child configures tracing
+  after the fork and says goodbye on exit.
+- ``celery flower``: refuses to start without basic auth, checked when Flower
+  has parsed its options (``FLOWER_BASIC_AUTH``, the command line, its config
+  file); never touches the worker's metrics directory.
+- anything else (``celery call``, ``inspect``): no metrics are ever created.
 """
 
 from __future__ import annotations
@@ -20,11 +18,10 @@ import os
 import sys
 from typing import Any
 
-import click
 from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_ready
 from celery.signals import worker_shutdown as worker_shutdown_signal
 
-from reaper import logs, metrics, tracing
+from reaper import health, logs, metrics, tracing
 from reaper.config import get_settings
 
 logger = logs.get_logger("worker")
@@ -34,22 +31,11 @@ FLOWER_AUTH_ENV = "FLOWER_BASIC_AUTH"
 _server: metrics.Server | None = None
 
 
-def celery_command() -> str | None:
-    """The ``celery`` sub-command this process runs (``worker``, ``flower``...), if any."""
-    ctx = click.get_current_context(silent=True)
-    while ctx is not None:
-        if getattr(ctx, "invoked_subcommand", None):
-            return ctx.invoked_subcommand
-        ctx = ctx.parent
-    return None
+def prepare() -> None:
+    """At app load, in every process that loads it: Flower's checks wait for its options."""
+    from tornado.options import options
 
-
-def prepare(command: str | None = None) -> str | None:
-    command = command if command is not None else celery_command()
-    if command == "flower":
-        require_flower_auth()
-    metrics.prepare_process(command, get_settings().metrics_port)
-    return command
+    options.add_parse_callback(_flower_options_parsed)
 
 
 # -- Flower --------------------------------------------------------------------
@@ -77,37 +63,38 @@ def _refuse(problem: str) -> None:
     raise SystemExit(2)
 
 
-def require_flower_auth() -> None:
-    """Exit unless Flower will run with basic auth from ``FLOWER_BASIC_AUTH``.
+def _flower_options_parsed() -> None:
+    """Tornado calls this when a program parses its options: only Flower does.
 
-    Checked now, from the environment, and again after Flower has parsed its
-    command line and config file (a tornado parse callback), so an empty
-    ``--basic-auth=`` cannot switch it off.
+    By then Flower has applied ``FLOWER_BASIC_AUTH`` and its command line, so
+    an empty ``--basic-auth=`` cannot switch auth off. Flower creates its own
+    Prometheus metrics later, on its first event: here they are kept out of a
+    worker's multiprocess directory it may have inherited.
     """
-    problem = auth_problem(os.environ.get(FLOWER_AUTH_ENV))
-    if problem:
-        _refuse(problem)
     from tornado.options import options
 
-    def check_parsed() -> None:
-        parsed = options.basic_auth if "basic_auth" in options else None
-        problem = auth_problem(parsed)
-        if problem:
-            _refuse(problem.replace("is not set", "was emptied by an option"))
-
-    options.add_parse_callback(check_parsed)
+    if "basic_auth" not in options:
+        return  # not Flower
+    problem = auth_problem(options.basic_auth)
+    if problem and not auth_problem(os.environ.get(FLOWER_AUTH_ENV)):
+        problem = problem.replace("is not set", "was emptied by an option")
+    if problem:
+        _refuse(problem)
+    metrics.keep_out_of_multiprocess()
 
 
 # -- the worker ------------------------------------------------------------------
 
 
-def _refresh() -> None:
-    from reaper.cycle import utcnow
-    from reaper.db import engine_for
-    from reaper.overview import refresh_gauges
-
+@worker_init.connect
+def _worker_starting(sender: Any = None, **_: Any) -> None:
     settings = get_settings()
-    refresh_gauges(engine_for(settings.database_url), settings, utcnow())
+    if settings.metrics_port:
+        metrics.enable_multiprocess(os.environ.get(metrics.MULTIPROC_ENV) or None)
+    # solo/threads pools run tasks in this process: no child will configure it
+    pool = str(getattr(sender, "pool_cls", "")).lower()
+    if "prefork" not in pool and not tracing.enabled():
+        tracing.configure()
 
 
 @worker_ready.connect
@@ -116,8 +103,15 @@ def _serve_metrics(**_: Any) -> None:
     settings = get_settings()
     if not settings.metrics_port or metrics.multiprocess_dir() is None or _server is not None:
         return
+    from reaper.wiring import gauges
+
     try:
-        _server = metrics.serve(settings.metrics_port, settings.metrics_address, _refresh)
+        _server = metrics.serve(
+            settings.metrics_port,
+            settings.metrics_address,
+            refresh=gauges(settings).refresh,
+            health=health.Check(settings).answer,
+        )
     except OSError as exc:
         logs.log(
             logger, "metrics.unavailable", level=40, port=settings.metrics_port, error=str(exc)
@@ -130,14 +124,6 @@ def _stop_metrics(**_: Any) -> None:
     if _server is not None:
         _server.close()
         _server = None
-
-
-@worker_init.connect
-def _worker_starting(sender: Any = None, **_: Any) -> None:
-    # solo/threads pools run tasks in this process: no child will configure it
-    pool = str(getattr(sender, "pool_cls", "")).lower()
-    if "prefork" not in pool and not tracing.enabled():
-        tracing.configure()
 
 
 @worker_process_init.connect

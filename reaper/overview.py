@@ -15,36 +15,18 @@ from typing import Any
 from sqlalchemy import Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import metrics
+from reaper import budgets
+from reaper.clock import human
+from reaper.clock import rfc3339_or_none as rfc3339
 from reaper.config import Settings
-from reaper.lock import holder
+from reaper.db import transaction
+from reaper.errors import describe
+from reaper.events import GaugesMeasured
 from reaper.logs import get_logger, log
 from reaper.phases import ORDER, PHASES, Phase
 from reaper.queries import Queries
 
 logger = get_logger("overview")
-
-# Read-only statements of an operator command or a scrape: never hang.
-STATEMENT_MS = 10_000
-
-
-def rfc3339(value: datetime | None) -> str | None:
-    from reaper.cycle import rfc3339 as fmt
-
-    return fmt(value) if value is not None else None
-
-
-def human(seconds: float) -> str:
-    """90 -> '1m30s', 14400 -> '4h'."""
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size:
-            parts.append(f"{seconds // size}{unit}")
-            seconds %= size
-    return "".join(parts[:2])
 
 
 def safe_url(url: str) -> str:
@@ -85,11 +67,6 @@ class Census:
         return sum(p.eligible for p in self.phases.values())
 
 
-def _read(queries: Queries) -> Queries:
-    queries.bound_transaction(idle_ms=STATEMENT_MS, statement_ms=STATEMENT_MS)
-    return queries
-
-
 def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
     row = queries.eligible_census(as_of=as_of, **cutoffs(settings, as_of))._mapping
     phases = {
@@ -105,41 +82,37 @@ def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
     return Census(as_of, phases, int(row["active"]))
 
 
-def refresh_gauges(engine: Engine, settings: Settings, now: datetime) -> Census | None:
-    """active_backlog and the outbox gauges, measured now; None if the database failed."""
+def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
+    """active_backlog and the outbox gauges, as the database says now; None if it failed."""
     try:
-        with engine.begin() as conn:
-            queries = _read(Queries(conn))
-            result = census(queries, settings, now)
-            pending, oldest = queries.outbox_pending_stats()
+        with transaction(engine, budgets.read()) as queries:
+            result = census(queries, settings, queries.database_clock())
+            pending, oldest, parked = queries.outbox_pending_stats()
     except SQLAlchemyError as exc:
-        log(logger, "metrics.refresh_failed", level=30, error=type(exc).__name__)
+        log(logger, "metrics.refresh_failed", level=30, error=describe(exc))
         return None
-    metrics.set_backlog(result.backlog)
-    metrics.set_outbox(pending, oldest)
-    return result
+    return GaugesMeasured(result.backlog, pending, oldest, parked)
 
 
 # -- reaper status -----------------------------------------------------------
 
 
-def status(engine: Engine, settings: Settings, now: datetime) -> dict[str, Any]:
-    with engine.begin() as conn:
-        queries = _read(Queries(conn))
+def status(engine: Engine, settings: Settings) -> dict[str, Any]:
+    with transaction(engine, budgets.read()) as queries:
+        now = queries.database_clock()
         result = census(queries, settings, now)
-        pending, oldest = queries.outbox_pending_stats()
-    pid = holder(engine)
+        pending, oldest, parked = queries.outbox_pending_stats()
+        pid = queries.run_lock_holder()
+        activity = queries.backend_activity(pid) if pid is not None else None
+        runs = queries.last_runs()
     lock: dict[str, Any] = {"held": pid is not None, "holder_pid": pid}
-    if pid is not None:
-        with engine.connect() as conn:
-            activity = Queries(conn).backend_activity(pid)
-        if activity is not None:
-            lock["holder"] = {
-                "application_name": activity.application_name,
-                "client_addr": activity.client_addr,
-                "state": activity.state,
-                "transaction_age_seconds": _round(activity.xact_age_seconds),
-            }
+    if activity is not None:
+        lock["holder"] = {
+            "application_name": activity.application_name,
+            "client_addr": activity.client_addr,
+            "state": activity.state,
+            "transaction_age_seconds": _round(activity.xact_age_seconds),
+        }
     return {
         "as_of": rfc3339(now),
         "database": safe_url(settings.database_url),
@@ -153,9 +126,34 @@ def status(engine: Engine, settings: Settings, now: datetime) -> dict[str, Any]:
             for name, p in result.phases.items()
         },
         "active_backlog": result.backlog,
-        "outbox": {"pending": pending, "oldest_pending_age_seconds": _round(oldest)},
+        "outbox": {
+            "pending": pending,
+            "oldest_pending_age_seconds": _round(oldest),
+            "parked": parked,
+        },
         "lock": lock,
+        "run": _runs(runs),
     }
+
+
+def _runs(rows: list[Any]) -> dict[str, Any]:
+    """The open run (a cycle in progress) and the last finished one."""
+    out: dict[str, Any] = {"current": None, "last": None}
+    for row in rows:
+        entry = {
+            "run_id": row.run_id,
+            "as_of": rfc3339(row.as_of),
+            "started_at": rfc3339(row.started_at),
+            "owner": row.owner,
+        }
+        if row.finished_at is None:
+            entry.update(phase=row.phase, lease_expires_at=rfc3339(row.lease_expires_at))
+            out["current"] = entry
+        else:
+            entry.update(finished_at=rfc3339(row.finished_at), outcome=row.outcome,
+                         errors=row.errors)  # fmt: skip
+            out["last"] = entry
+    return out
 
 
 def _round(value: Any) -> float | None:
@@ -175,6 +173,10 @@ def format_status(data: dict[str, Any]) -> str:
     outbox = data["outbox"]
     age = human(outbox["oldest_pending_age_seconds"] or 0) if outbox["pending"] else "-"
     lines.append(f"{'outbox pending':<18} {outbox['pending']:>8}  oldest {age}")
+    if outbox["parked"]:
+        lines.append(
+            f"{'outbox parked':<18} {outbox['parked']:>8}  (reaper outbox parked; runbook)"
+        )
     lock = data["lock"]
     if lock["held"]:
         who = lock.get("holder") or {}
@@ -187,6 +189,18 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"{'run lock':<18} held by backend pid {pid} ({detail}{since})")
     else:
         lines.append(f"{'run lock':<18} free")
+    run = data["run"]
+    if run["current"]:
+        current = run["current"]
+        lines.append(
+            f"{'cycle running':<18} {current['run_id']} in {current['phase'] or 'its head'}"
+            f" since {current['started_at']}, lease until {current['lease_expires_at']}"
+        )
+    if run["last"]:
+        last = run["last"]
+        lines.append(
+            f"{'last cycle':<18} {last['run_id']} {last['outcome']} at {last['finished_at']}"
+        )
     return "\n".join(lines)
 
 
@@ -207,9 +221,12 @@ def _reason(phase: Phase, row: Any, settings: Settings, as_of: datetime) -> str:
     )
 
 
-def plan(engine: Engine, settings: Settings, as_of: datetime, per_phase: int) -> dict[str, Any]:
-    with engine.begin() as conn:
-        queries = _read(Queries(conn))
+def plan(
+    engine: Engine, settings: Settings, as_of: datetime | None, per_phase: int
+) -> dict[str, Any]:
+    """What a cycle at ``as_of`` (default: the database's clock now) would close."""
+    with transaction(engine, budgets.read()) as queries:
+        as_of = as_of or queries.database_clock()
         counted = census(queries, settings, as_of)
         rows = queries.plan_candidates(as_of=as_of, per_phase=per_phase, **cutoffs(settings, as_of))
     phases: dict[str, dict[str, Any]] = {}

@@ -1,12 +1,14 @@
 """OpenTelemetry traces: a span per cycle, per phase and per conference.
 
-A cycle's phases run as separate Celery tasks, often in different processes,
-so no span object can cover the cycle while it runs. Instead the cycle's ids
-are derived from its ``run_id``: the trace id is the run id (a UUID is 128
-bits), the cycle span's id a hash of it. Each phase span is started under that
-(remote) parent wherever it runs, and :func:`cycle_span` records the cycle span
-itself, with those exact ids and the cycle's real start time, when the cycle
-finishes. Every span carries ``correlationId = run_id``.
+A subscriber of the engine's facts (:func:`subscribe`). A cycle's phases run as
+separate Celery tasks, often in different processes, so no span object can
+cover the cycle while it runs. Instead every span's ids are derived: the trace
+id is the run id (a UUID is 128 bits), the cycle span's id a hash of it, a
+phase span's id a hash of the run id and the phase. Each span is recorded when
+its fact arrives (a batch committed, a phase completed, the cycle finished),
+with those ids and the real start and end times, wherever it ran. Every span
+carries ``correlationId = run_id``. The Kafka records carry the cycle's trace
+on (``traceparent``, :func:`traceparent`).
 
 Off unless an OTLP endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT`` or
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``; ``OTEL_SDK_DISABLED=true`` wins): then
@@ -17,14 +19,10 @@ Configured per process after the fork (the batch processor has a thread).
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import os
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextvars import ContextVar
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -45,11 +43,9 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
+from reaper.events import BatchCommitted, Bus, CycleFinished, PhaseCompleted, PhaseFailed
 from reaper.logs import get_logger, log
-
-if TYPE_CHECKING:
-    from reaper.cycle import Cycle
-    from reaper.phases import BatchOutcome, Phase
+from reaper.traceids import cycle_span_id_for, phase_span_id_for, trace_id_for
 
 logger = get_logger("tracing")
 
@@ -121,120 +117,123 @@ def enabled() -> bool:
 # -- ids of a cycle ------------------------------------------------------------
 
 
-def trace_id_for(run_id: str) -> int:
-    try:
-        return uuid.UUID(run_id).int or 1
-    except ValueError:
-        return uuid.uuid5(uuid.NAMESPACE_URL, f"reaper-run:{run_id}").int
-
-
-def cycle_span_id_for(run_id: str) -> int:
-    digest = hashlib.blake2b(run_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") or 1
-
-
-def cycle_context(run_id: str) -> Context:
+def _remote(run_id: str, span_id: int) -> Context:
     parent = SpanContext(
         trace_id_for(run_id),
-        cycle_span_id_for(run_id),
+        span_id,
         is_remote=True,
         trace_flags=TraceFlags(TraceFlags.SAMPLED),
     )
     return trace.set_span_in_context(NonRecordingSpan(parent))
 
 
+def cycle_context(run_id: str) -> Context:
+    return _remote(run_id, cycle_span_id_for(run_id))
+
+
 def _ns(moment: datetime) -> int:
     return int(moment.timestamp() * 1_000_000_000)
 
 
-# -- spans ---------------------------------------------------------------------
-
-F = TypeVar("F", bound=Callable[..., Any])
+# -- the subscriber: facts to spans -------------------------------------------
 
 
-def phase_span(method: F) -> F:
-    """Decorates ``Reaper.run_phase(name, cycle)``: one span per phase run."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, name: str, cycle: Cycle) -> Any:
-        if not enabled():
-            return method(self, name, cycle)
-        errors, counts = cycle.errors, dict(cycle.counts)
-        with _tracer.start_as_current_span(
-            "reaper.phase",
-            context=cycle_context(cycle.run_id),
-            kind=SpanKind.INTERNAL,
-            attributes={"correlationId": cycle.run_id, "reaper.phase": name},
-        ) as span:
-            result = method(self, name, cycle)
-            for key, value in cycle.counts.items():
-                span.set_attribute(f"reaper.{key}", value - counts.get(key, 0))
-            span.set_attribute("reaper.skipped", cycle.skipped)
-            if name in cycle.blocked:
-                span.set_attribute("reaper.blocked", True)
-            if cycle.errors > errors:
-                span.set_status(Status(StatusCode.ERROR, "phase failed"))
-            return result
-
-    return wrapper  # type: ignore[return-value]
+def subscribe(bus: Bus) -> None:
+    bus.subscribe(BatchCommitted, _conference_spans)
+    bus.subscribe(PhaseCompleted, _phase_span)
+    bus.subscribe(PhaseFailed, _phase_span)
+    bus.subscribe(CycleFinished, _cycle_span)
 
 
-def conference_spans(
-    phase: Phase, cycle: Cycle, outcome: BatchOutcome, start_ns: int, end_ns: int
-) -> None:
+def _conference_spans(fact: BatchCommitted) -> None:
     """One span per conference a committed batch reaped or rejected."""
     if not enabled():
         return
-    current = trace.get_current_span().get_span_context()
-    context = None if current.is_valid else cycle_context(cycle.run_id)
-    common = {"correlationId": cycle.run_id, "reaper.phase": phase.name}
-    for item in outcome.reaped:
+    context = _remote(fact.run_id, phase_span_id_for(fact.run_id, fact.phase))
+    common = {"correlationId": fact.run_id, "reaper.phase": fact.phase}
+    for item in fact.reaped:
         attributes = {
             **common,
             "conference_id": item.conference_id,
             "chat_id": item.chat_id,
             "deal_id": item.deal_id,
-            "status": phase.status,
-            "end_reason": phase.end_reason,
+            "status": item.status,
+            "end_reason": item.end_reason,
         }
         if item.tenant_id:
             attributes["tenant_id"] = item.tenant_id
         if item.lateness_seconds is not None:
             attributes["reaper.lateness_seconds"] = float(item.lateness_seconds)
         span = _tracer.start_span(
-            "reaper.conference", context=context, start_time=start_ns, attributes=attributes
+            "reaper.conference", context=context, start_time=fact.started_ns, attributes=attributes
         )
-        span.end(end_time=end_ns)
-    for poison in outcome.poison:
+        span.end(end_time=fact.ended_ns)
+    for rejected in fact.rejected:
         span = _tracer.start_span(
             "reaper.conference",
             context=context,
-            start_time=start_ns,
-            attributes={**common, "conference_id": poison.conference_id},
+            start_time=fact.started_ns,
+            attributes={**common, "conference_id": rejected.conference_id},
         )
-        span.set_status(Status(StatusCode.ERROR, poison.reason))
-        span.end(end_time=end_ns)
+        span.set_status(Status(StatusCode.ERROR, rejected.reason))
+        span.end(end_time=fact.ended_ns)
 
 
-def cycle_span(cycle: Cycle, result: dict[str, Any], end: datetime) -> None:
+def _phase_span(fact: PhaseCompleted | PhaseFailed) -> None:
+    if not enabled() or not fact.phase:
+        return
+    attributes: dict[str, str | int | bool] = {
+        "correlationId": fact.run_id,
+        "reaper.phase": fact.phase,
+        "reaper.reaped": fact.reaped,
+    }
+    if isinstance(fact, PhaseCompleted):
+        attributes.update(
+            {
+                "reaper.batches": fact.batches,
+                "reaper.rejected": fact.rejected,
+                "reaper.skipped_locked": fact.skipped_locked,
+                "reaper.blocked": fact.blocked,
+                "reaper.lost": fact.lost,
+            }
+        )
+    with _forced_ids(trace_id_for(fact.run_id), phase_span_id_for(fact.run_id, fact.phase)):
+        span = _tracer.start_span(
+            "reaper.phase",
+            context=cycle_context(fact.run_id),
+            kind=SpanKind.INTERNAL,
+            start_time=fact.started_ns,
+            attributes=attributes,
+        )
+    if isinstance(fact, PhaseFailed):
+        span.set_status(Status(StatusCode.ERROR, fact.error))
+    span.end(end_time=max(fact.ended_ns, fact.started_ns))
+
+
+def _cycle_span(fact: CycleFinished) -> None:
     """The cycle's own span, recorded at its end with the ids its phases used."""
     if not enabled():
         return
-    with _forced_ids(trace_id_for(cycle.run_id), cycle_span_id_for(cycle.run_id)):
+    result = fact.result
+    with _forced_ids(trace_id_for(fact.run_id), cycle_span_id_for(fact.run_id)):
         span = _tracer.start_span(
             "reaper.cycle",
             context=Context(),
             kind=SpanKind.INTERNAL,
-            start_time=_ns(cycle.started_at),
+            start_time=_ns(fact.started_at),
             attributes={
-                "correlationId": cycle.run_id,
+                "correlationId": fact.run_id,
                 "reaper.as_of": result["as_of"],
-                **{f"reaper.{k}": v for k, v in result.items() if k not in ("run_id", "as_of")},
+                **{
+                    f"reaper.{k}": v
+                    for k, v in result.items()
+                    if k not in ("run_id", "as_of") and isinstance(v, str | int | float | bool)
+                },
             },
         )
-    if cycle.errors:
-        span.set_status(Status(StatusCode.ERROR, f"{cycle.errors} phase error(s)"))
-    span.end(end_time=max(_ns(end), _ns(cycle.started_at)))
+    if fact.errors:
+        span.set_status(Status(StatusCode.ERROR, fact.error or f"{fact.errors} error(s)"))
+    span.end(end_time=max(_ns(fact.finished_at), _ns(fact.started_at)))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,221 @@
+"""The facts as JSON log lines, each with a stable ``event`` name.
+
+A subscriber of the engine's facts (:func:`subscribe`), connected at process
+set-up by :mod:`reaper.wiring`. The names are part of the interface (dashboards
+and alerts in the log pipeline use them; tests assert them): rename none.
+Fields are ids, enums and counts, never names or tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from reaper.clock import rfc3339
+from reaper.events import (
+    BatchCommitted,
+    Bus,
+    ConferenceReaped,
+    ConferenceRejected,
+    CycleFinished,
+    CycleSkipped,
+    CycleStarted,
+    CycleTakenOver,
+    LockLost,
+    MassClosure,
+    PhaseCompleted,
+    PhaseFailed,
+    RelayPassCompleted,
+)
+from reaper.logs import get_logger, log
+
+logger = get_logger("cycle")
+relay_logger = get_logger("relay")
+
+# A worker and its database further apart than this are worth a line (the
+# comparisons use the database's clock; see docs/design.md#time).
+SKEW_WORTH_LOGGING_S = 1.0
+
+MASS_CLOSURE_HINT = (
+    "presence outage? check heartbeats; to end them anyway run "
+    "`reaper reap --once --allow-mass-closure`"
+)
+
+
+def subscribe(bus: Bus) -> None:
+    bus.subscribe(CycleStarted, cycle_started)
+    bus.subscribe(CycleSkipped, cycle_skipped)
+    bus.subscribe(CycleTakenOver, cycle_taken_over)
+    bus.subscribe(CycleFinished, cycle_finished)
+    bus.subscribe(BatchCommitted, batch_committed)
+    bus.subscribe(ConferenceReaped, conference_reaped)
+    bus.subscribe(ConferenceRejected, conference_rejected)
+    bus.subscribe(MassClosure, mass_closure)
+    bus.subscribe(PhaseCompleted, phase_completed)
+    bus.subscribe(PhaseFailed, phase_failed)
+    bus.subscribe(LockLost, lock_lost)
+    bus.subscribe(RelayPassCompleted, relay_pass)
+
+
+def cycle_started(fact: CycleStarted) -> None:
+    log(logger, "cycle.started", run_id=fact.run_id, as_of=rfc3339(fact.as_of))
+    if abs(fact.clock_skew_seconds) > SKEW_WORTH_LOGGING_S:
+        log(
+            logger,
+            "clock.skew",
+            level=logging.WARNING,
+            run_id=fact.run_id,
+            skew_seconds=round(fact.clock_skew_seconds, 3),
+            database_clock=rfc3339(fact.started_at),
+            reason="the worker's clock is off the database's; as_of is the database's",
+        )
+
+
+def cycle_skipped(fact: CycleSkipped) -> None:
+    log(
+        logger,
+        "cycle.skipped",
+        run_id=fact.run_id,
+        reason=fact.reason,
+        holder_pid=fact.holder_pid,
+        owner_run_id=fact.owner_run_id,
+    )
+
+
+def cycle_taken_over(fact: CycleTakenOver) -> None:
+    log(
+        logger,
+        "cycle.taken_over",
+        level=logging.WARNING,
+        run_id=fact.run_id,
+        previous_run_id=fact.previous_run_id,
+        lease_expired_at=rfc3339(fact.previous_lease_expired_at),
+        reason="the previous cycle's owner died or hung past REAPER_LOCK_TTL",
+    )
+
+
+def cycle_finished(fact: CycleFinished) -> None:
+    fields = {**fact.result, "errors": fact.errors}
+    if fact.lost:
+        fields["lost"] = True
+    if fact.error is not None:
+        fields["error"] = fact.error
+    level = logging.ERROR if fact.error is not None or fact.lost else logging.INFO
+    log(logger, "cycle.completed", level=level, **fields)
+
+
+def batch_committed(fact: BatchCommitted) -> None:
+    log(
+        logger,
+        "batch.selected",
+        run_id=fact.run_id,
+        phase=fact.phase,
+        count=fact.claimed,
+        reaped=len(fact.reaped),
+        failed=len(fact.rejected),
+        skipped_locked=fact.locked,
+    )
+
+
+def conference_reaped(fact: ConferenceReaped) -> None:
+    log(
+        logger,
+        "conference.reaped",
+        run_id=fact.run_id,
+        phase=fact.phase,
+        conference_id=fact.conference_id,
+        chat_id=fact.chat_id,
+        deal_id=fact.deal_id,
+        status=fact.status,
+        end_reason=fact.end_reason,
+        duration_seconds=fact.duration_seconds,
+    )
+
+
+def conference_rejected(fact: ConferenceRejected) -> None:
+    log(
+        logger,
+        "item.failed",
+        level=logging.ERROR,
+        run_id=fact.run_id,
+        phase=fact.phase,
+        conference_id=fact.conference_id,
+        error=fact.reason,
+    )
+
+
+def mass_closure(fact: MassClosure) -> None:
+    fields = {
+        "run_id": fact.run_id,
+        "phase": fact.phase,
+        "eligible": fact.eligible,
+        "active": fact.active,
+        "share": fact.share,
+        "floor": fact.floor,
+    }
+    if fact.allowed:
+        log(logger, "phase.mass_closure_allowed", level=logging.WARNING, **fields)
+    else:
+        log(logger, "phase.mass_closure_blocked", level=logging.ERROR, **fields,
+            hint=MASS_CLOSURE_HINT)  # fmt: skip
+
+
+def phase_completed(fact: PhaseCompleted) -> None:
+    if fact.lost:
+        log(
+            logger,
+            "phase.lost",
+            level=logging.WARNING,
+            run_id=fact.run_id,
+            phase=fact.phase,
+            reason="the run is no longer this cycle's (taken over after its lease expired)",
+        )
+        return
+    log(
+        logger,
+        "phase.completed",
+        run_id=fact.run_id,
+        phase=fact.phase,
+        batches=fact.batches,
+        reaped=fact.reaped,
+        skipped_locked=fact.skipped_locked,
+        drained=fact.drained,
+        blocked=fact.blocked,
+    )
+
+
+def phase_failed(fact: PhaseFailed) -> None:
+    log(
+        logger,
+        "phase.failed",
+        level=logging.ERROR,
+        run_id=fact.run_id,
+        phase=fact.phase,
+        error=fact.error,
+        reaped_before=fact.reaped,
+    )
+
+
+def lock_lost(fact: LockLost) -> None:
+    log(logger, "lock.lost", level=logging.ERROR, run_id=fact.run_id, phase=fact.phase,
+        error=fact.error)  # fmt: skip
+
+
+def relay_pass(fact: RelayPassCompleted) -> None:
+    if fact.skipped:
+        log(relay_logger, "relay.skipped", reason="another relay pass is running")
+        return
+    log(
+        relay_logger,
+        "relay.completed",
+        published=fact.published,
+        failed=fact.failed,
+        parked=fact.parked,
+        held_back=fact.held_back,
+        pending=fact.pending,
+        oldest_pending_age_seconds=round(fact.oldest_pending_age_seconds, 3),
+        outbox_parked=fact.outbox_parked,
+        deleted=fact.deleted,
+        kafka_unavailable=fact.kafka_unavailable,
+        timed_out=fact.timed_out,
+        duration_ms=fact.duration_ms,
+    )

@@ -1,0 +1,63 @@
+"""The one place where a process connects what happens after a commit.
+
+The engine emits facts (:mod:`reaper.events`); here, once per process (the
+worker's processes, ``reaper`` commands), the subscribers are attached: JSON
+log lines, Prometheus, OpenTelemetry, the database gauges and the recorder stop
+signal. Adding an effect after the commit means adding a line here, not
+touching the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from sqlalchemy import Engine
+
+from reaper import eventlog, metrics, overview, tracing
+from reaper.config import Settings
+from reaper.db import engine_for
+from reaper.events import Bus, CycleFinished, process_bus
+from reaper.recorder import RecorderClient, StopSignal
+
+_lock = threading.Lock()
+_installed: set[int] = set()
+
+
+def install(settings: Settings, bus: Bus = process_bus, *, engine: Engine | None = None) -> Bus:
+    """Attach every subscriber to ``bus`` (once: a second call changes nothing)."""
+    with _lock:
+        if id(bus) in _installed:
+            return bus
+        _installed.add(id(bus))
+    engine = engine or engine_for(settings.database_url)
+    eventlog.subscribe(bus)
+    metrics.subscribe(bus)
+    tracing.subscribe(bus)
+    bus.subscribe(CycleFinished, Gauges(engine, settings, bus))
+    if settings.recorder_url:
+        client = RecorderClient(settings.recorder_url, settings.recorder_timeout)
+        StopSignal(client, engine, bus).subscribe()
+    return bus
+
+
+def gauges(settings: Settings, bus: Bus = process_bus) -> Gauges:
+    """The gauges of this process's bus (the worker refreshes them on a scrape too)."""
+    return Gauges(engine_for(settings.database_url), settings, bus)
+
+
+class Gauges:
+    """After every cycle: the census behind active_backlog and the outbox gauges,
+    measured from the database and told as a fact (metrics sets the gauges)."""
+
+    def __init__(self, engine: Engine, settings: Settings, bus: Bus) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.bus = bus
+
+    def __call__(self, _: CycleFinished) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        measured = overview.measure(self.engine, self.settings)
+        if measured is not None:
+            self.bus.emit(measured)
