@@ -1,4 +1,4 @@
-"""Validated configuration from the ``REAPER_*`` environment (CONTRACT §3).
+"""Validated configuration from the ``REAPER_*`` environment (docs/design.md#configuration).
 
 Every process (worker, beat, CLI) calls :func:`get_settings` once at start; an
 invalid value stops it with a single line naming the variable and the rule.
@@ -133,6 +133,10 @@ class Settings(BaseSettings):
     relay_max_pass_duration: Duration = timedelta(seconds=20)
     relay_backoff_initial: Duration = timedelta(seconds=1)
     relay_backoff_max: Duration = timedelta(seconds=60)
+    # A row that failed this often is parked (docs/design.md#parked-events).
+    relay_max_attempts: int = Field(20, ge=1, le=1_000)
+    # The producer's max_request_size: a larger record is refused, and parked.
+    kafka_max_request_size: int = Field(1_048_576, ge=1_024, le=100 * 1_048_576)
     outbox_retention: Duration = timedelta(days=7)
     polling_interval: Duration = timedelta(seconds=30)
     empty_room_grace: Duration = timedelta(seconds=90)
@@ -146,6 +150,8 @@ class Settings(BaseSettings):
     max_run_duration: Duration = timedelta(seconds=30)
     recorder_url: Annotated[str, AfterValidator(_url("http", "https"))] | None = None
     recorder_timeout: Duration = timedelta(seconds=2)
+    # Stop signals the recorder did not take are retried this long after the close.
+    recorder_retry_window: Duration = timedelta(minutes=15)
     metrics_port: int = Field(9808, ge=0, le=65535)
     # Where the worker's /metrics listens (0.0.0.0: reachable by Prometheus in a container).
     metrics_address: Annotated[str, AfterValidator(_listen_address)] = "0.0.0.0"

@@ -30,12 +30,14 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "bootstrap_servers": settings.kafka_bootstrap_servers.split(","),
         "client_id": f"conference-room-reaper-{os.getpid()}",
         # Explicit, so that a conflicting setting raises instead of silently
-        # turning idempotence off (STACK-NOTES).
+        # turning idempotence off (docs/design.md#what-the-stack-does).
         "enable_idempotence": True,
         "acks": "all",
         "max_in_flight_requests_per_connection": 5,
         "linger_ms": 5,
         "batch_size": 256 * 1024,
+        # A larger record is refused by the producer itself (and parked).
+        "max_request_size": settings.kafka_max_request_size,
         "delivery_timeout_ms": timeout_ms,
         "request_timeout_ms": wait_ms,
         # send() waits this long for metadata (an unreachable broker): below the
@@ -90,12 +92,6 @@ class ProducerSlot:
                     security_protocol=self.settings.kafka_security_protocol,
                 )
             return self._producer
-
-    def broken(self) -> bool:
-        """True when the producer hit a fatal error and will refuse every record."""
-        producer = self._producer
-        manager = getattr(producer, "_transaction_manager", None)
-        return bool(manager is not None and manager.has_fatal_error())
 
     def discard(self, reason: str) -> None:
         """Drop the producer without waiting (Kafka is gone or it is broken); the

@@ -1,26 +1,34 @@
 """The outbox relay: pending ``integration_outbox`` rows to Kafka (``reaper.relay_outbox``).
 
-One pass claims due rows in batches (``FOR UPDATE SKIP LOCKED``, oldest first),
-produces them and, in the same transaction, marks each row published only
-after Kafka acknowledged that very record. A row that fails gets one attempt
-more, its error and an exponential back-off; later rows of the same message
-key wait behind it, so a deal's events never overtake each other, while other
-keys go on. Killed between the send and the mark, the transaction rolls back
-and the next pass re-sends the same ``eventId`` (at least once; consumers
-dedupe by it).
+A pass is a pipeline of batches, each in its own transaction, in five steps:
 
-Per batch, records go out in rounds: the first pending row of every key, then
-(for the keys whose row was acknowledged) the next one, and so on. Within a
-round every key has one record, so one round is sent as a burst and then every
-acknowledgement is awaited; the usual batch (one event per deal) is one round.
+1. **claim** due rows (``FOR UPDATE SKIP LOCKED``, oldest first, at most one
+   row per message key ahead of an earlier pending row of that key);
+2. **send** the first round: the oldest row of every key, as one burst;
+3. **await** every acknowledgement of the round (``future.get`` per record),
+   then send the next round (the next row of each acknowledged key);
+4. **mark** each row published after its own acknowledgement, back off each
+   row that failed, park each row Kafka refused for good; commit;
+5. after the last batch, **retention** deletes old published rows.
 
-Batches are pipelined: while one is acknowledged, marked and committed (on a
-closer thread), the next is claimed and sent; their keys never overlap. One
-pass runs at a time across all workers (``try_relay_lock``).
+While one batch is awaited and marked (on a closer thread), the next is
+claimed and sent; their keys never overlap, so a deal's events never overtake
+each other. Killed between the send and the mark, a batch's transaction rolls
+back and the next pass re-sends the same ``eventId`` (at least once;
+consumers dedupe by it). One pass runs at a time across all workers
+(``try_relay_lock``). See docs/design.md#the-outbox-relay.
+
+Errors are classified by kafka-python's public ``KafkaError.retriable``:
+Kafka unreachable ends the pass at once; a retriable failure backs the row
+off; a record refused for good (too large, an invalid topic) is parked, so it
+no longer holds back later rows of its key; any other non-retriable error means
+the producer itself is broken: the row backs off and the producer is replaced.
+A row that failed ``REAPER_RELAY_MAX_ATTEMPTS`` times is parked too.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -33,46 +41,79 @@ from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 from kafka import KafkaProducer
-from kafka.errors import KafkaConnectionError, KafkaTimeoutError
+from kafka import errors as kafka_errors
 from sqlalchemy import Connection, Engine, RootTransaction, Row
 from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import metrics
+from reaper import budgets
 from reaper.config import Settings
-from reaper.db import engine_for
+from reaper.db import begin, engine_for, transaction
+from reaper.errors import describe
+from reaper.events import Bus, RelayBatchCommitted, RelayPassCompleted, process_bus
 from reaper.kafka import ProducerSlot, process_slot
-from reaper.lock import millis
 from reaper.logs import get_logger, log
 from reaper.queries import Queries
+from reaper.traceids import traceparent
 
 logger = get_logger("relay")
 
 RETENTION_BATCH = 1_000
 RETENTION_MAX_BATCHES = 20
-# Errors meaning "Kafka is not there", not "this record was refused": the pass
-# stops at once instead of waiting out every remaining record.
-UNAVAILABLE = (KafkaTimeoutError, KafkaConnectionError)
+# "Kafka is not there", not "this record was refused": the pass stops at once
+# instead of waiting out every remaining record.
+UNAVAILABLE = (kafka_errors.KafkaTimeoutError, kafka_errors.KafkaConnectionError)
+# The record itself can never be accepted (docs/design.md#parked-events).
+REFUSED_FOR_GOOD = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.InvalidRecordError,
+    kafka_errors.CorruptRecordError,
+    kafka_errors.InvalidTopicError,
+)
 
 
-def describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}"[:500] if text else type(exc).__name__
+def refused_for_good(exc: BaseException) -> bool:
+    """The record can never be accepted: Kafka's own verdict on it, or the producer
+    refusing its arguments (an illegal topic name, a bad header) before sending."""
+    if isinstance(exc, kafka_errors.KafkaError):
+        return isinstance(exc, REFUSED_FOR_GOOD)
+    return isinstance(exc, ValueError | TypeError)
+
+
+def breaks_the_producer(exc: BaseException) -> bool:
+    """A failure that is neither retriable nor about one record: the producer
+    (its idempotent session) is broken and must be replaced."""
+    return (
+        isinstance(exc, kafka_errors.KafkaError)
+        and not exc.retriable
+        and not isinstance(exc, REFUSED_FOR_GOOD)
+    )
 
 
 @dataclass
 class RelayResult:
     published: int = 0
     failed: int = 0
+    parked: int = 0
+    held_back: int = 0
     pending: int = 0
     oldest_pending_age_seconds: float = 0.0
+    outbox_parked: int = 0
     deleted: int = 0
-    held_back: int = 0
     kafka_unavailable: bool = False
     skipped: bool = False
     timed_out: bool = False
 
+    def add(self, report: BatchReport) -> None:
+        """A settled batch's part of the pass: the one place totals are added up."""
+        self.published += len(report.published)
+        self.failed += len(report.failures) - report.out_of_attempts
+        self.parked += len(report.refused) + report.out_of_attempts
+        self.held_back += report.held_back
+        self.kafka_unavailable = self.kafka_unavailable or report.unavailable is not None
+
     def to_json(self) -> dict[str, Any]:
-        """The task's result (CONTRACT §2)."""
+        """The task's result (docs/design.md#tasks)."""
         return {"published": self.published, "failed": self.failed, "pending": self.pending}
 
 
@@ -80,9 +121,12 @@ class RelayResult:
 class BatchReport:
     claimed: int = 0
     published: list[int] = field(default_factory=list)
-    failures: dict[int, str] = field(default_factory=dict)
+    failures: dict[int, str] = field(default_factory=dict)  # backed off
+    refused: dict[int, str] = field(default_factory=dict)  # parked: refused for good
+    out_of_attempts: int = 0  # of the failures, parked for having no attempt left
     held_back: int = 0
     unavailable: BaseException | None = None
+    producer_broken: bool = False
 
 
 @dataclass
@@ -115,12 +159,15 @@ class Relay:
         *,
         engine: Engine | None = None,
         producers: ProducerSlot | None = None,
-        stop_event: threading.Event | None = None,
+        bus: Bus | None = None,
+        stop_event: Any = None,
         exclusive: bool = True,
     ) -> None:
         self.settings = settings
         self.engine = engine or engine_for(settings.database_url)
         self.producers = producers or process_slot(settings)
+        self.bus = bus or process_bus
+        # Asked to stop (a warm shutdown): no new batch after those in flight.
         self.stop_event = stop_event or threading.Event()
         # One pass at a time across all relays (see try_relay_lock); a test
         # turns it off to check that concurrent passes stay correct too.
@@ -131,59 +178,66 @@ class Relay:
 
     def run(self) -> RelayResult:
         """One pass, unless another relay's pass is running (then only the gauges)."""
-        if not self.exclusive:
-            return self._pass()
+        started = time.monotonic()
+        result = RelayResult()
         try:
             with self._pass_lock() as acquired:
                 if acquired:
-                    return self._pass()
+                    self._pass(result)
+                else:
+                    result.skipped = True
         except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
-            return RelayResult()
-        log(logger, "relay.skipped", reason="another relay pass is running")
-        result = RelayResult(skipped=True)
+            log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
         self._measure(result)
+        self.bus.emit(
+            RelayPassCompleted(
+                published=result.published,
+                failed=result.failed,
+                parked=result.parked,
+                held_back=result.held_back,
+                pending=result.pending,
+                oldest_pending_age_seconds=result.oldest_pending_age_seconds,
+                outbox_parked=result.outbox_parked,
+                deleted=result.deleted,
+                kafka_unavailable=result.kafka_unavailable,
+                skipped=result.skipped,
+                timed_out=result.timed_out,
+                duration_ms=round((time.monotonic() - started) * 1000),
+            )
+        )
         return result
 
     @contextmanager
     def _pass_lock(self) -> Iterator[bool]:
         """The relay lock, on a connection of its own that idles during the pass; the
         server ends that session (freeing the lock) if the pass outlives its bound."""
+        if not self.exclusive:
+            yield True
+            return
         conn = self.engine.connect()
         try:
-            transaction = conn.begin()
-            queries = Queries(conn)
-            budget = self.settings.relay_max_pass_duration + 6 * self.settings.kafka_timeout
-            queries.bound_transaction(idle_ms=millis(budget) + 10_000, statement_ms=5_000)
-            acquired = queries.try_relay_lock()
+            tx, queries = begin(conn, budgets.relay_pass(self.settings))
             try:
-                yield acquired
+                yield queries.try_relay_lock()
             finally:
                 with suppress(SQLAlchemyError):
-                    transaction.rollback()
+                    tx.rollback()
         finally:
             conn.close()
 
-    def _pass(self) -> RelayResult:
-        """Batches until one comes back short, Kafka is gone or the pass's time is spent.
-
-        Pipelined: while one batch waits for its acknowledgements, the next one
-        is claimed and sent, each in its own transaction. Their keys never
-        overlap (a row whose key has an earlier pending row outside its own
-        batch is not claimed), so per-key order holds.
-        """
-        started = time.monotonic()
-        deadline = started + self.settings.relay_max_pass_duration.total_seconds()
-        result = RelayResult()
+    def _pass(self, result: RelayResult) -> None:
+        """Batches until one comes back short, Kafka is gone, a stop is asked or the
+        pass's time is spent; then retention."""
+        deadline = time.monotonic() + self.settings.relay_max_pass_duration.total_seconds()
         current: InFlight | None = None
         following: InFlight | None = None
-        # One batch is acknowledged, marked and committed on this thread while
-        # the next one is claimed and sent on the calling thread (psycopg2 and
-        # the acknowledgement waits release the GIL, the sends need it).
+        # One batch is awaited, marked and committed on this thread while the
+        # next one is claimed and sent on the calling thread (psycopg2 and the
+        # acknowledgement waits release the GIL, the sends need it).
         closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-close")
         closing: Future[BatchReport] | None = None
         try:
-            current = self._open(overlapped=False)
+            current = self._claim_and_send(overlapped=False)
             while current is not None:
                 going = not (
                     current.report.unavailable is not None
@@ -195,30 +249,25 @@ class Relay:
                 more = going and (
                     current.overlapped or current.report.claimed >= self.settings.relay_batch_size
                 )
-                closing, current = closer.submit(self._close, current), None
-                following = self._open(overlapped=True) if more else None
+                closing, current = closer.submit(self._await_and_mark, current), None
+                following = self._claim_and_send(overlapped=True) if more else None
                 report = closing.result()
                 closing = None
-                result.published += len(report.published)
-                result.failed += len(report.failures)
-                result.held_back += report.held_back
+                result.add(report)
                 if report.unavailable is not None:
-                    result.kafka_unavailable = True
                     if following is not None:  # sent already: settle it, then stop
                         settling, following = following, None
-                        report = self._close(settling)
-                        result.published += len(report.published)
-                        result.failed += len(report.failures)
+                        result.add(self._await_and_mark(settling))
                     break
                 current, following = following, None
                 if current is None and more:
-                    current = self._open(overlapped=False)
+                    current = self._claim_and_send(overlapped=False)
         except SoftTimeLimitExceeded:
             # The batches in flight roll back: their rows go again next pass.
-            log(logger, "relay.time_limit", level=30, published=result.published)
+            log(logger, "relay.time_limit", level=logging.WARNING, published=result.published)
             result.timed_out = True
         except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+            log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
         finally:
             # A batch being closed finishes on its own (bounded by the Kafka
             # timeout); the ones this thread holds are rolled back.
@@ -227,55 +276,32 @@ class Relay:
                     flight.abandon()
             closer.shutdown(wait=True)
             if closing is not None and not closing.cancelled():
-                if closing.exception() is None:
-                    report = closing.result()
-                    result.published += len(report.published)
-                    result.failed += len(report.failures)
-                elif not isinstance(closing.exception(), SQLAlchemyError | SoftTimeLimitExceeded):
-                    log(logger, "relay.close_failed", level=40, error=describe(closing.exception()))
+                failure = closing.exception()
+                if failure is None:
+                    result.add(closing.result())
+                elif not isinstance(failure, SQLAlchemyError | SoftTimeLimitExceeded):
+                    log(logger, "relay.close_failed", level=logging.ERROR,
+                        error=describe(failure))  # fmt: skip
         if not result.timed_out:
             result.deleted = self._retention(deadline)
-        self._measure(result)
-        log(
-            logger,
-            "relay.completed",
-            published=result.published,
-            failed=result.failed,
-            held_back=result.held_back,
-            pending=result.pending,
-            oldest_pending_age_seconds=round(result.oldest_pending_age_seconds, 3),
-            deleted=result.deleted,
-            kafka_unavailable=result.kafka_unavailable,
-            duration_ms=round((time.monotonic() - started) * 1000),
-        )
-        return result
 
     def _measure(self, result: RelayResult) -> None:
         try:
-            with self.engine.connect() as conn:
-                result.pending, result.oldest_pending_age_seconds = Queries(
-                    conn
-                ).outbox_pending_stats()
-            metrics.set_outbox(result.pending, result.oldest_pending_age_seconds)
+            with transaction(self.engine, budgets.quick()) as queries:
+                stats = queries.outbox_pending_stats()
+            result.pending, result.oldest_pending_age_seconds, result.outbox_parked = stats
         except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+            log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
 
-    # -- one batch: claim and send (open), acknowledge and mark (close) -----
+    # -- steps 1 and 2: claim, send the first round ----------------------------
 
-    def _open(self, *, overlapped: bool) -> InFlight | None:
+    def _claim_and_send(self, *, overlapped: bool) -> InFlight | None:
         """Claim a batch in a new transaction and send its first round; None when
         nothing is due. ``overlapped``: another batch of this pass is in flight."""
         conn = self.engine.connect()
-        flight = InFlight(conn, conn.begin(), overlapped=overlapped)
+        tx, queries = begin(conn, budgets.relay_batch(self.settings))
+        flight = InFlight(conn, tx, overlapped=overlapped)
         try:
-            queries = Queries(conn)
-            # The transaction waits on Kafka (its own acknowledgements and the
-            # batch before it): bound it so a hung relay's row locks are freed
-            # by the server (its rows are then sent again).
-            queries.bound_transaction(
-                idle_ms=millis(self.settings.kafka_timeout) * 6 + 5_000,
-                statement_ms=15_000,
-            )
             queries.relay_planner()
             flight.rows = queries.claim_outbox_batch(self.settings.relay_batch_size)
             flight.report.claimed = len(flight.rows)
@@ -298,72 +324,6 @@ class Relay:
             raise
         return flight
 
-    def _close(self, flight: InFlight) -> BatchReport:
-        """Await the acknowledgements (and further rounds), mark, commit."""
-        report = flight.report
-        try:
-            if flight.producer is not None and report.unavailable is None:
-                self._rounds(flight)
-            if report.unavailable is not None:
-                error = describe(report.unavailable)
-                attempted = set(report.published) | set(report.failures)
-                for row in flight.rows:
-                    if row.id not in attempted:
-                        report.failures[row.id] = error
-                self._log_unavailable(report.unavailable, flight.rows, flight.producer)
-                self.producers.discard(f"Kafka unavailable: {error}")
-            elif self.producers.broken():
-                self.producers.discard("the producer hit a fatal error")
-            queries = Queries(flight.conn)
-            if report.published:
-                queries.mark_outbox_published(report.published)
-            if report.failures:
-                queries.mark_outbox_failed(
-                    report.failures,
-                    self.settings.relay_backoff_initial.total_seconds(),
-                    self.settings.relay_backoff_max.total_seconds(),
-                )
-            flight.transaction.commit()
-        finally:
-            flight.abandon()  # rolls back unless committed; returns the connection
-        metrics.relay_published(len(report.published))
-        if report.published:
-            log(logger, "relay.published", count=len(report.published), claimed=report.claimed)
-        if report.failures:
-            log(
-                logger,
-                "relay.batch_failed",
-                level=30,
-                failed=len(report.failures),
-                claimed=report.claimed,
-                error=next(iter(report.failures.values())),
-            )
-        return report
-
-    def _rounds(self, flight: InFlight) -> None:
-        """Acknowledge the sent round; then the next row of every acknowledged key,
-        until the batch is done or one Kafka timeout has passed (the rest of
-        those keys waits, in order, for a later batch)."""
-        assert flight.producer is not None
-        report = flight.report
-        rounds_until = time.monotonic() + self.kafka_timeout
-        sent = flight.sent
-        while sent:
-            acked = self._await(sent, report)
-            if report.unavailable is not None:
-                return
-            following = []
-            for row in acked:
-                queue = flight.by_key[row.message_key]
-                queue.popleft()
-                if queue:
-                    following.append(queue[0])
-            if not following or time.monotonic() >= rounds_until:
-                break
-            sent = self._send(flight.producer, following, report)
-        # rows behind a failed row of their key (or not reached) wait for later
-        report.held_back = sum(len(q) - 1 for q in flight.by_key.values() if q)
-
     def _send(
         self, producer: KafkaProducer, rows: list[Row], report: BatchReport
     ) -> list[tuple[Row, Any]]:
@@ -375,11 +335,7 @@ class Relay:
                     row.topic,
                     key=row.message_key.encode(),
                     value=row.value.encode(),
-                    headers=[
-                        ("event-id", row.event_id.encode()),
-                        ("event-type", (row.event_type or "").encode()),
-                        ("correlation-id", (row.correlation_id or "").encode()),
-                    ],
+                    headers=headers(row),
                 )
             except SoftTimeLimitExceeded:
                 raise
@@ -391,6 +347,73 @@ class Relay:
                 continue
             sent.append((row, future))
         return sent
+
+    # -- steps 3 and 4: await the rounds, mark, commit -------------------------
+
+    def _await_and_mark(self, flight: InFlight) -> BatchReport:
+        report = flight.report
+        try:
+            if flight.producer is not None and report.unavailable is None:
+                self._rounds(flight)
+            if report.unavailable is not None:
+                error = describe(report.unavailable)
+                attempted = set(report.published) | set(report.failures) | set(report.refused)
+                for row in flight.rows:
+                    if row.id not in attempted:
+                        report.failures[row.id] = error
+                self._log_unavailable(report.unavailable, flight.rows, flight.producer)
+                self.producers.discard(f"Kafka unavailable: {error}")
+            elif report.producer_broken:
+                self.producers.discard("the producer hit a fatal error")
+            self._mark(Queries(flight.conn), report)
+            flight.transaction.commit()
+        finally:
+            flight.abandon()  # rolls back unless committed; returns the connection
+        self.bus.emit(
+            RelayBatchCommitted(
+                claimed=report.claimed,
+                published=len(report.published),
+                failed=len(report.failures),
+                parked=len(report.refused) + report.out_of_attempts,
+            )
+        )
+        if report.published:
+            log(logger, "relay.published", count=len(report.published), claimed=report.claimed)
+        if report.failures:
+            log(
+                logger,
+                "relay.batch_failed",
+                level=logging.WARNING,
+                failed=len(report.failures),
+                claimed=report.claimed,
+                error=next(iter(report.failures.values())),
+            )
+        return report
+
+    def _rounds(self, flight: InFlight) -> None:
+        """Acknowledge the sent round; then the next row of every key whose row was
+        acknowledged or parked, until the batch is done or one Kafka timeout has
+        passed (the rest of those keys waits, in order, for a later batch)."""
+        assert flight.producer is not None
+        report = flight.report
+        rounds_until = time.monotonic() + self.kafka_timeout
+        sent = flight.sent
+        while True:
+            acked = self._await(sent, report) if sent else []
+            if report.unavailable is not None:
+                return
+            done = {row.id for row in acked} | set(report.refused)
+            following = []
+            for queue in flight.by_key.values():
+                if queue and queue[0].id in done:
+                    queue.popleft()
+                    if queue:
+                        following.append(queue[0])
+            if not following or time.monotonic() >= rounds_until:
+                break
+            sent = self._send(flight.producer, following, report)
+        # rows behind a failed row of their key (or not reached) wait for later
+        report.held_back = sum(len(q) - 1 for q in flight.by_key.values() if q)
 
     def _await(self, sent: list[tuple[Row, Any]], report: BatchReport) -> list[Row]:
         """Every acknowledgement of a round, within one delivery timeout."""
@@ -411,35 +434,59 @@ class Relay:
         return acked
 
     def _row_failed(self, row: Row, exc: BaseException, report: BatchReport) -> None:
-        report.failures[row.id] = describe(exc)
+        error = describe(exc)
+        if refused_for_good(exc):
+            report.refused[row.id] = error
+        else:
+            report.failures[row.id] = error
+            report.producer_broken = report.producer_broken or breaks_the_producer(exc)
         if isinstance(exc, UNAVAILABLE):
             return  # one line for the whole batch, see _log_unavailable
         log(
             logger,
-            "relay.row_failed",
-            level=30,
+            "relay.row_parked" if row.id in report.refused else "relay.row_failed",
+            level=logging.ERROR if row.id in report.refused else logging.WARNING,
             event_id=row.event_id,
             message_key=row.message_key,
             topic=row.topic,
             attempts=row.attempts + 1,
-            error=describe(exc),
+            error=error,
         )
+
+    def _mark(self, queries: Queries, report: BatchReport) -> None:
+        if report.published:
+            queries.mark_outbox_published(report.published)
+        if report.refused:
+            queries.mark_outbox_parked(report.refused)
+        if report.failures:
+            parked = queries.mark_outbox_failed(
+                report.failures,
+                backoff_initial_s=self.settings.relay_backoff_initial.total_seconds(),
+                backoff_max_s=self.settings.relay_backoff_max.total_seconds(),
+                max_attempts=self.settings.relay_max_attempts,
+            )
+            report.out_of_attempts = len(parked)
+            if parked:
+                log(
+                    logger,
+                    "relay.out_of_attempts",
+                    level=logging.ERROR,
+                    parked=len(parked),
+                    max_attempts=self.settings.relay_max_attempts,
+                )
 
     def _log_unavailable(
         self, exc: BaseException, rows: list[Row], producer: KafkaProducer | None
     ) -> None:
-        metadata = getattr(producer, "_metadata", None)
-        if metadata is not None and metadata.brokers():
+        if producer is not None and producer.bootstrap_connected():
             # The brokers answer but know no partitions of the topic: it does
             # not exist (the relay never creates topics).
-            missing = sorted(
-                {row.topic for row in rows if metadata.partitions_for_topic(row.topic) is None}
-            )
+            missing = sorted({row.topic for row in rows if not _known(producer, row.topic)})
             for topic in missing:
                 log(
                     logger,
                     "relay.topic_missing",
-                    level=40,
+                    level=logging.ERROR,
                     topic=topic,
                     reason=f"Kafka has no topic {topic!r}; create it (the relay never does)",
                 )
@@ -448,13 +495,13 @@ class Relay:
         log(
             logger,
             "relay.kafka_unavailable",
-            level=40,
+            level=logging.ERROR,
             bootstrap_servers=self.settings.kafka_bootstrap_servers,
             error=describe(exc),
             rows=len(rows),
         )
 
-    # -- retention ---------------------------------------------------------
+    # -- step 5: retention -------------------------------------------------
 
     def _retention(self, deadline: float) -> int:
         """Delete published rows older than the retention, a small batch per transaction."""
@@ -462,13 +509,35 @@ class Relay:
         deleted = 0
         try:
             for _ in range(RETENTION_MAX_BATCHES):
-                with self.engine.begin() as conn:
-                    count = Queries(conn).delete_published_outbox(cutoff, RETENTION_BATCH)
+                with transaction(self.engine, budgets.quick()) as queries:
+                    count = queries.delete_published_outbox(cutoff, RETENTION_BATCH)
                 deleted += count
                 if count < RETENTION_BATCH or time.monotonic() >= deadline:
                     break
         except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=40, error=describe(getattr(exc, "orig", exc)))
+            log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
         if deleted:
             log(logger, "relay.retention_deleted", count=deleted, cutoff=cutoff)
         return deleted
+
+
+def headers(row: Row) -> list[tuple[str, bytes]]:
+    """The record's headers (docs/design.md#the-kafka-event); ``traceparent``
+    continues the cycle's trace in the consumers."""
+    correlation = row.correlation_id or ""
+    out = [
+        ("event-id", row.event_id.encode()),
+        ("event-type", (row.event_type or "").encode()),
+        ("correlation-id", correlation.encode()),
+    ]
+    if correlation:
+        out.append(("traceparent", traceparent(correlation).encode()))
+    return out
+
+
+def _known(producer: KafkaProducer, topic: str) -> bool:
+    """Whether the brokers know the topic (public API: waits up to max_block_ms)."""
+    try:
+        return bool(producer.partitions_for(topic))
+    except kafka_errors.KafkaError:
+        return False
