@@ -1,9 +1,14 @@
-"""The ``reaper`` console script (CONTRACT §1)."""
+"""The ``reaper`` console script (docs/design.md#the-command-line).
+
+Every command runs the very code the worker runs; ``reaper reap --once`` is
+``Reaper.run_cycle``, the three calls the Celery tasks make one after the other.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -32,6 +37,8 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     from reaper.cycle import Reaper
+    from reaper.events import CycleFinished
+    from reaper.runs import AsOfRefused
 
     if not args.once:
         print(
@@ -44,7 +51,6 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         # finish the batch in flight, then stop: never leave one half-done
         signal.signal(signum, lambda *_: stop.set())
-    reaper = Reaper(settings, stop_event=stop, allow_mass_closure=args.allow_mass_closure)
     if not settings.recorder_url:
         logs.log(
             logs.get_logger("cli"),
@@ -55,33 +61,38 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     from reaper import tracing
 
     tracing.configure()  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else off
-    cycle = reaper.start(args.as_of)
-    for name in _phases():
-        reaper.run_phase(name, cycle)
-    result = reaper.finish(cycle)
-    tracing.shutdown()  # flush
+    reaper = Reaper(settings, stop_event=stop, allow_mass_closure=args.allow_mass_closure)
+    finished: list[CycleFinished] = []
+    reaper.bus.subscribe(CycleFinished, finished.append)
+    try:
+        result = reaper.run_cycle(args.as_of)
+    except AsOfRefused as exc:
+        print(f"reaper: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        tracing.shutdown()  # flush
+        reaper.bus.unsubscribe(CycleFinished, finished.append)
     _print(result, as_json=args.json)
-    if cycle.blocked:
+    end = finished[-1]
+    if end.blocked:
         print(
-            f"reaper: mass-closure guard: {', '.join(cycle.blocked)} ended nothing; "
+            f"reaper: mass-closure guard: {', '.join(end.blocked)} ended nothing; "
             "rerun with --allow-mass-closure to end them anyway",
             file=sys.stderr,
         )
-    return 1 if cycle.errors else 0
+    return 1 if end.errors else 0
 
 
 def _database_failed(settings: Settings, exc: Exception) -> int:
     from sqlalchemy import make_url
 
+    from reaper.errors import describe
     from reaper.overview import safe_url
 
-    detail = (str(getattr(exc, "orig", exc)).strip().splitlines() or [""])[0]
-    password = make_url(settings.database_url).password
-    if password:  # the driver does not echo it; make sure
-        detail = detail.replace(str(password), "***")
+    password = make_url(settings.database_url).password  # the driver does not echo it; make sure
     print(
         f"reaper: database {safe_url(settings.database_url)} failed: "
-        f"{type(exc).__name__}: {detail}",
+        f"{describe(exc, secrets=[password])}",
         file=sys.stderr,
     )
     return 1
@@ -90,12 +101,11 @@ def _database_failed(settings: Settings, exc: Exception) -> int:
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from reaper.cycle import utcnow
     from reaper.db import engine_for
     from reaper.overview import format_status, status
 
     try:
-        data = status(engine_for(settings.database_url), settings, utcnow())
+        data = status(engine_for(settings.database_url), settings)
     except SQLAlchemyError as exc:
         return _database_failed(settings, exc)
     print(json.dumps(data, sort_keys=True) if args.json else format_status(data))
@@ -105,23 +115,17 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_plan(settings: Settings, args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from reaper.cycle import parse_time, utcnow
+    from reaper.clock import parse_time
     from reaper.db import engine_for
     from reaper.overview import format_plan, plan
 
-    as_of = parse_time(args.as_of) if args.as_of else utcnow()
+    as_of = parse_time(args.as_of) if args.as_of else None
     try:
         data = plan(engine_for(settings.database_url), settings, as_of, args.limit)
     except SQLAlchemyError as exc:
         return _database_failed(settings, exc)
     print(json.dumps(data, sort_keys=True) if args.json else format_plan(data))
     return 0
-
-
-def _phases() -> Sequence[str]:
-    from reaper.phases import ORDER
-
-    return ORDER
 
 
 def _print(data: dict[str, Any], *, as_json: bool) -> None:
@@ -175,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = _settings()
     logs.configure()
+    # Only a worker counts into a multiprocess directory: this process keeps its
+    # metrics in memory even if it inherited the variable (read at import).
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    from reaper import wiring
+
+    wiring.install(settings)
     return args.handler(settings, args)
 
 

@@ -1,10 +1,11 @@
-"""Celery tasks (CONTRACT §2). Thin: the work is in :mod:`reaper.cycle`.
+"""The Celery tasks (docs/design.md#tasks). Thin: the work is in :mod:`reaper.cycle`.
 
-A cycle is ``reaper.reap`` replaced by the chain
-``reap_phase(empty_room) | reap_phase(provision_timeout) | reap_phase(stale_live) | reap``:
-each phase is its own task, Celery prepends the previous link's result (the
-running :class:`~reaper.cycle.Cycle`) to the next link's arguments, and the
-final ``reap(cycle)`` inherits the original task id and reports the totals.
+A cycle is ``reaper.reap`` taking the run at its head and replacing itself by
+the chain ``reap_phase(empty_room) | reap_phase(provision_timeout) |
+reap_phase(stale_live) | reap(finish=run_id)``. Each phase is its own task
+(visible in Flower) and is given nothing but the run id (``cycle=run_id``),
+because the run's state lives in its row (reaper/runs.py). The last link
+inherits the original task id and reports the cycle's totals.
 """
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from functools import cache
 from typing import Any
 
 from celery import Task, chain
-from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import metrics
-from reaper.celery_app import app
+from reaper.celery_app import app, stopping
 from reaper.config import get_settings
-from reaper.cycle import Cycle, Reaper
+from reaper.cycle import Reaper
 from reaper.phases import ORDER, PHASES
 from reaper.relay import Relay
 
@@ -29,61 +28,54 @@ RELAY_EXPIRES = 30.0
 
 @cache
 def get_reaper() -> Reaper:
-    return Reaper(get_settings())
+    return Reaper(get_settings(), stop_event=stopping())
 
 
 @cache
 def get_relay() -> Relay:
-    return Relay(get_settings())
+    return Relay(get_settings(), stop_event=stopping())
 
 
 @app.task(name="reaper.reap", bind=True)
-def reap(self: Task, cycle: dict[str, Any] | None = None, as_of: str | None = None) -> Any:
+def reap(self: Task, as_of: str | None = None, *, finish: str | None = None) -> Any:
+    """One cycle. ``finish`` (a run id) is the cycle's own last link: close and report."""
     reaper = get_reaper()
-    if cycle is not None:  # the chain's last link
-        result = reaper.finish(Cycle.from_json(cycle))
+    if finish is not None:
+        result = reaper.finish(finish)
         if result["empty_timeout_count"] + result["stale_timeout_count"] > 0:
             # The cycle wrote integration events: publish them now, not at
             # the next relay tick.
             relay_outbox.apply_async(expires=RELAY_EXPIRES)
         return result
-    started = reaper.start(as_of)
-    try:
-        holder = reaper.lock_holder()
-    except SQLAlchemyError:
-        started.errors += 1
-        metrics.errors()
-        return reaper.finish(started)
-    if holder is not None:
-        return reaper.finish(reaper.skip(started, holder))
+    cycle = reaper.start(as_of)
+    if not cycle.owns_run:
+        return reaper.end_unowned(cycle)
     expires = reaper.settings.lock_ttl.total_seconds()
-    steps = [
-        reap_phase.si(started.to_json(), ORDER[0]).set(expires=expires),
-        *(reap_phase.s(name).set(expires=expires) for name in ORDER[1:]),
-        reap.s().set(expires=expires),
-    ]
-    return self.replace(chain(*steps))
+    return self.replace(
+        chain(
+            *(reap_phase.si(name, cycle=cycle.run_id).set(expires=expires) for name in ORDER),
+            reap.si(finish=cycle.run_id).set(expires=expires),
+        )
+    )
 
 
-@app.task(name="reaper.reap_phase", bind=True)
+@app.task(name="reaper.reap_phase")
 def reap_phase(
-    self: Task, *args: Any, as_of: str | None = None, run_id: str | None = None
-) -> dict[str, Any]:
-    """``reap_phase(phase)`` by hand, or ``reap_phase(cycle, phase)`` inside a cycle."""
-    if len(args) == 2:
-        carried, name = args
-    elif len(args) == 1:
-        carried, name = None, args[0]
-    else:
-        raise TypeError("reap_phase takes the phase name, e.g. --args '[\"empty_room\"]'")
-    if name not in PHASES:
-        raise ValueError(f"unknown phase {name!r}; one of {', '.join(ORDER)}")
+    phase: str,
+    *,
+    as_of: str | None = None,
+    run_id: str | None = None,
+    cycle: str | None = None,
+) -> Any:
+    """One phase. ``cycle`` (a run id, passed by a cycle's chain): that cycle's phase,
+    which does nothing if the run is no longer the cycle's. Otherwise, by hand: a
+    cycle of this phase alone (``as_of``, ``run_id`` as for ``reaper.reap``)."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; one of {', '.join(ORDER)}")
     reaper = get_reaper()
-    if carried is None:
-        cycle = reaper.start(as_of, run_id)
-        reaper.run_phase(name, cycle)
-        return reaper.finish(cycle)
-    return reaper.run_phase(name, Cycle.from_json(carried)).to_json()
+    if cycle is not None:
+        return reaper.run_phase(phase, cycle)
+    return reaper.run_cycle(as_of, run_id, phases=[phase])
 
 
 @app.task(name="reaper.relay_outbox")

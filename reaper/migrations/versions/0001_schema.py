@@ -1,4 +1,4 @@
-"""The messenger conference schema the reaper works on (CONTRACT §4).
+"""The messenger conference schema the reaper works on (docs/design.md#tables).
 
 Revision ID: 0001
 Revises:
