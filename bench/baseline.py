@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from bench.seed import connect
 
-# The integration payload, exactly as CONTRACT §6 (and the reaper) write it.
+# The integration payload, exactly as docs/design.md#the-kafka-event (and the reaper) write it.
 _INTEGRATION = """
 integration AS (
     INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload, created_at)

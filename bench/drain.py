@@ -1,9 +1,10 @@
 """The reaper's side of the drain and quiet-cycle figures, in this process.
 
 A cycle runs exactly as ``reaper reap --once`` and the worker's phase tasks run
-it (:class:`reaper.cycle.Reaper`: lock, bounded batch transactions, one log
-line per reaped room through the JSON formatter), so the whole cost of a cycle
-is counted; only process start is not.
+it (:class:`reaper.cycle.Reaper`: the run, the lock, bounded batch transactions,
+and every subscriber a process connects: one log line per reaped room through
+the JSON formatter, metrics, the gauges after each cycle), so the whole cost of
+a cycle is counted; only process start is not.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.seed import connect
-from reaper import logs
+from reaper import logs, wiring
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.db import engine_for
+from reaper.events import Bus
 
 PHASE_KEYS = {
     "empty_room": "empty_timeout_count",
@@ -72,11 +74,23 @@ def settings_for(url: str, batch_size: int) -> Settings:
     return Settings(database_url=url, batch_size=batch_size)
 
 
+_buses: dict[str, Bus] = {}
+
+
+def reaper_for(url: str, batch_size: int) -> Reaper:
+    """A Reaper with the subscribers a process on this database would have."""
+    settings = settings_for(url, batch_size)
+    engine = engine_for(url)
+    if url not in _buses:
+        _buses[url] = wiring.install(settings, Bus(), engine=engine)
+    return Reaper(settings, engine=engine, bus=_buses[url])
+
+
 def reaper_drain(
     url: str, as_of: datetime, batch_size: int, expected: int
 ) -> tuple[dict[str, int], float]:
     """Whole cycles back to back until ``expected`` rooms are closed."""
-    reaper = Reaper(settings_for(url, batch_size), engine=engine_for(url))
+    reaper = reaper_for(url, batch_size)
     counts = dict.fromkeys(PHASE_KEYS, 0)
     started = time.perf_counter()
     for _ in range(1000):
@@ -90,7 +104,7 @@ def reaper_drain(
 
 def quiet_cycle(url: str, as_of: datetime) -> float:
     """Seconds of one whole cycle with nothing eligible."""
-    reaper = Reaper(settings_for(url, 100), engine=engine_for(url))
+    reaper = reaper_for(url, 100)
     started = time.perf_counter()
     result = reaper.run_cycle(as_of)
     elapsed = time.perf_counter() - started

@@ -5,9 +5,7 @@ run; nothing is skipped."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,37 +38,17 @@ os.environ.update(
 
 from reaper.config import Settings  # noqa: E402
 from reaper.db import dispose_engines, engine_for, migrate  # noqa: E402
+from tests.support.facts import FactRecorder  # noqa: E402
+from tests.support.ports import free_port, reachable, wait_for_port  # noqa: E402, F401
 
 TABLES = (
+    "messenger.reaper_runs",
     "messenger.realtime_outbox",
     "messenger.integration_outbox",
     "messenger.call_recordings",
     "messenger.conference_participants",
     "messenger.conference_sessions",
 )
-
-
-def _reachable(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _reachable("127.0.0.1", port):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -83,7 +61,7 @@ def services() -> None:
             ("PostgreSQL", pg.host, pg.port or 5432),
             ("Redis", redis.hostname, redis.port or 6379),
         )
-        if not _reachable(host, port)
+        if not reachable(host, port)
     ]
     if missing:
         pytest.fail(f"required services are not running: {', '.join(missing)} (see README)")
@@ -108,16 +86,34 @@ def engine(database_url: str) -> Iterator[Engine]:
     yield engine
 
 
+@pytest.fixture(scope="session", autouse=True)
+def process_bus(database_url: str) -> None:
+    """The test process is a process like the CLI: its bus has the subscribers."""
+    from reaper import wiring
+
+    wiring.install(Settings(database_url=database_url))
+
+
+@pytest.fixture
+def facts() -> Iterator[FactRecorder]:
+    """Every fact the engine emits during the test, on the process bus."""
+    from reaper.events import process_bus
+
+    recorder = FactRecorder(process_bus)
+    yield recorder
+    recorder.close()
+
+
 @pytest.fixture
 def settings(database_url: str) -> Settings:
-    """Defaults of CONTRACT §3 on the session's database."""
+    """The documented defaults (docs/design.md#configuration) on the session's database."""
     return Settings(database_url=database_url)
 
 
 @pytest.fixture(scope="session")
 def kafka_broker(services: None) -> Iterator[str]:
     """A Tansu broker (Kafka protocol) on a free port; yields bootstrap servers."""
-    from tests.kafkatools import Tansu  # it imports this module's helpers
+    from tests.support.kafka import Tansu
 
     broker = Tansu().start()
     try:

@@ -14,8 +14,8 @@ from sqlalchemy import text
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from tests import factory as f
-from tests.factory import T0
+from tests.support import factory as f
+from tests.support.factory import T0
 
 
 def test_every_room_of_a_full_batch_gets_its_own_event(database_url, engine):
@@ -38,7 +38,7 @@ def test_every_room_of_a_full_batch_gets_its_own_event(database_url, engine):
                 """
             )
         )
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["empty_timeout_count"] == 500 and result["failed_count"] == 0
     with engine.connect() as conn:
         events = f.outbox(conn)
@@ -72,7 +72,7 @@ def test_two_lanes_count_only_the_rows_someone_else_holds(database_url, engine, 
         {"id": held},
     )
     try:
-        result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+        result = Reaper(settings, engine=engine).run_cycle(T0)
     finally:
         tx.rollback()
         command.close()
@@ -85,7 +85,7 @@ def test_two_lanes_count_only_the_rows_someone_else_holds(database_url, engine, 
         events = f.outbox(conn)
     assert len({e["payload"]["payload"]["conferenceId"] for e in events}) == 999
     assert held not in {e["payload"]["payload"]["conferenceId"] for e in events}
-    again = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    again = Reaper(settings, engine=engine).run_cycle(T0)
     assert again["empty_timeout_count"] == 1 and again["skipped_locked_count"] == 0
 
 
@@ -94,7 +94,7 @@ def test_a_quiet_phase_is_one_statement_even_with_lanes(database_url, engine, ca
     settings = Settings(database_url=database_url, drain_lanes=4)
     with engine.begin() as conn:
         f.bulk_conferences(conn, 10, idle=timedelta(seconds=5))  # within the grace
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["empty_timeout_count"] == 0
     batches = [r.fields for r in caplog.records if getattr(r, "event", None) == "batch.selected"]
     assert sorted(b["phase"] for b in batches) == ["empty_room", "provision_timeout", "stale_live"]

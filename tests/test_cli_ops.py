@@ -12,9 +12,9 @@ from sqlalchemy import Engine, create_engine, make_url, text
 
 from reaper.cycle import Reaper
 from reaper.overview import plan
-from tests import factory as f
-from tests.factory import T0
-from tests.processes import ROOT
+from tests.support import factory as f
+from tests.support.factory import T0
+from tests.support.processes import ROOT
 
 REAPER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "reaper")
 PHASE_OF_REASON = {
@@ -121,7 +121,7 @@ def test_plan_lists_exactly_what_the_next_cycle_closes(settings, engine):
     assert would_close[ids["empty_and_stale"]] == "empty_room"  # first phase wins
     assert would_close[ids["stale_occupied"]] == "stale_live"
 
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     with engine.connect() as conn:
         closed = {
             cid: PHASE_OF_REASON[state]
@@ -151,7 +151,7 @@ def test_plan_shows_when_the_mass_closure_guard_would_stop_stale_live(settings, 
     assert stale["blocked"] and "mass-closure" in stale["blocked"]
     assert stale["would_close"] == 0 and stale["eligible"] == settings.mass_closure_floor + 5
     assert stale["truncated"] and len(stale["conferences"]) == 5
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     assert (result["stale_timeout_count"], result["empty_timeout_count"]) == (0, 1)
 
 
@@ -175,14 +175,14 @@ def test_plan_and_status_commands_print_text_and_json(engine):
     assert status["active_backlog"] == sum(p["eligible"] for p in status["phases"].values())
     assert status["phases"]["provision_timeout"]["eligible"] == 3
     assert status["phases"]["provision_timeout"]["oldest_overdue_seconds"] > 0
-    assert status["outbox"] == {"pending": 0, "oldest_pending_age_seconds": 0.0}
+    assert status["outbox"] == {"pending": 0, "oldest_pending_age_seconds": 0.0, "parked": 0}
     assert status["lock"] == {"held": False, "holder_pid": None}
 
 
 def test_status_shows_pending_outbox_and_the_lock_holder(settings, engine):
     with engine.begin() as conn:
         f.conference(conn, idle=timedelta(minutes=5))
-    Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)  # one outbox row
+    Reaper(settings, engine=engine).run_cycle(T0)  # one outbox row
     holder = create_engine(
         make_url(settings.database_url).update_query_dict({"application_name": "held-by-test"})
     )

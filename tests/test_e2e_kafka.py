@@ -13,10 +13,10 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Engine, text
 
-from tests import factory as f
 from tests.conftest import BIN, ROOT, free_port
-from tests.kafkatools import create_topic, read_topic
-from tests.processes import Worker, wait_until
+from tests.support import factory as f
+from tests.support.kafka import create_topic, read_topic
+from tests.support.processes import Worker, wait_until
 
 
 def now() -> datetime:
@@ -61,7 +61,11 @@ def test_seeded_empty_room_reaches_kafka_right_after_its_cycle(engine, kafka_bro
     for record in records:
         assert record.key == record.value["aggregateId"] == record.value["payload"]["dealId"]
         assert record.value["payload"]["endReason"] == "EmptyTimeout"
-        assert set(record.headers) == {"event-id", "event-type", "correlation-id"}
+        assert set(record.headers) == {"event-id", "event-type", "correlation-id", "traceparent"}
+        # the cycle's trace goes on in the consumer: its trace id is the run id
+        version, trace_id, span_id, flags = record.headers["traceparent"].split("-")
+        assert (version, flags, len(span_id)) == ("00", "01", 16)
+        assert trace_id == uuid.UUID(record.headers["correlation-id"]).hex
     out = worker.output()
     assert "reaper.relay_outbox" in out and '"relay.published"' in out
     assert '"kafka.producer_closed"' in out  # flushed and closed on shutdown

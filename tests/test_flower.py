@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import factory as f
-from tests.conftest import free_port, wait_for_port
-from tests.processes import ROOT, Worker, wait_until
+from tests.support import factory as f
+from tests.support.ports import free_port, wait_for_port
+from tests.support.processes import ROOT, Worker, wait_until
 
 CELERY = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "celery")
 AUTH = "ops:flower-Secret-1"

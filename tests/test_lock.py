@@ -7,28 +7,37 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import timedelta
+import uuid
 
 import pytest
 from sqlalchemy import Engine, text
 
-from reaper.lock import holder, run_lock
+from reaper.config import Settings
+from reaper.lock import holder
+from reaper.runs import Runs
 
 KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
 
 
 def _holder_script(database_url: str, ttl_s: float, then: str) -> str:
+    """A runner that takes the run and holds the lock in its first phase, then ``then``."""
     return textwrap.dedent(
         f"""
-        import os, signal, sys, time
+        import os, signal, sys, time, uuid
         from datetime import timedelta
+        from reaper.config import Settings
         from reaper.db import engine_for
-        from reaper.lock import run_lock
-        engine = engine_for({database_url!r})
-        with run_lock(engine, timedelta(seconds={ttl_s})) as taken_by:
-            assert taken_by is None, taken_by
-            print("locked", flush=True)
-            {then}
+        from reaper.runs import Runs
+        settings = Settings(database_url={database_url!r},
+                            lock_ttl=timedelta(seconds={ttl_s}),
+                            max_run_duration=timedelta(seconds={ttl_s} / 2))
+        runs = Runs(engine_for(settings.database_url), settings)
+        run_id = str(uuid.uuid4())
+        assert runs.take(run_id, None).skipped is None
+        claim = runs.claim(run_id, "empty_room")
+        assert claim is not None
+        print("locked", flush=True)
+        {then}
         """
     )
 
@@ -53,26 +62,45 @@ def _wait_free(engine: Engine, timeout: float) -> float:
     raise AssertionError(f"lock still held after {timeout}s")
 
 
-def test_lock_is_exclusive_and_names_its_holder(engine):
-    with run_lock(engine, timedelta(seconds=10)) as first:
-        assert first is None
+def runs(settings: Settings, engine: Engine) -> Runs:
+    return Runs(engine, settings)
+
+
+def test_lock_is_exclusive_and_names_its_holder(settings, engine):
+    first = runs(settings, engine)
+    run_id = str(uuid.uuid4())
+    assert first.take(run_id, None).skipped is None
+    claim = first.claim(run_id, "empty_room")
+    assert claim is not None
+    try:
         pid = holder(engine)
         assert isinstance(pid, int) and pid > 0
-        with run_lock(engine, timedelta(seconds=10)) as second:
-            assert second == pid
+        other = runs(settings, engine).take(str(uuid.uuid4()), None)
+        assert other.skipped and other.holder_pid == pid
+    finally:
+        assert claim.release() is None
     assert holder(engine) is None
 
 
-def test_lock_is_released_when_the_body_raises(engine):
-    with pytest.raises(RuntimeError), run_lock(engine, timedelta(seconds=10)):
-        raise RuntimeError("boom")
+def test_lock_is_released_when_the_phase_ends_either_way(settings, engine):
+    run_id = str(uuid.uuid4())
+    assert runs(settings, engine).take(run_id, None).skipped is None
+    claim = runs(settings, engine).claim(run_id, "empty_room")
+    assert claim is not None
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("boom")
+        finally:
+            claim.release()
     assert holder(engine) is None
 
 
-def test_lock_never_returns_to_the_pool(engine):
-    for _ in range(3):
-        with run_lock(engine, timedelta(seconds=10)) as taken_by:
-            assert taken_by is None
+def test_lock_never_returns_to_the_pool(settings, engine):
+    run_id = str(uuid.uuid4())
+    assert runs(settings, engine).take(run_id, None).skipped is None
+    for phase in ("empty_room", "provision_timeout", "stale_live"):
+        claim = runs(settings, engine).claim(run_id, phase)
+        assert claim is not None and claim.release() is None
     # every pooled connection is checked for a stranded advisory lock
     conns = [engine.connect() for _ in range(engine.pool.size())]
     try:
@@ -96,6 +124,8 @@ def test_killed_runner_loses_the_lock_at_once(database_url, engine):
     proc.wait()
     waited = _wait_free(engine, timeout=10)
     print(f"\n[figures] lock free {waited:.2f}s after kill -9 (TTL 60s)")
+    # "at once": the server sees the connection close; nothing waits for the TTL
+    assert waited <= 1.0, waited
 
 
 def test_hung_runner_loses_the_lock_within_ttl(database_url, engine):

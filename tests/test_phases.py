@@ -7,21 +7,20 @@ import logging
 import threading
 from datetime import timedelta
 
-import pytest
 from sqlalchemy import Engine, text
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from tests import factory as f
-from tests.factory import T0
+from reaper.events import Bus
+from reaper.recorder import StopSignal
+from tests.support import factory as f
+from tests.support.factory import T0
+from tests.support.facts import SteppingClock, log_events
 
 
 def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
-    return Reaper(settings, engine=engine, clock=lambda: T0, **kwargs).run_cycle(as_of)
+    return Reaper(settings, engine=engine, **kwargs).run_cycle(as_of)
 
-
-def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
-    return [r.fields for r in caplog.records if getattr(r, "event", None) == name]
 
 
 def test_empty_batch_is_a_noop(settings, engine):
@@ -119,7 +118,7 @@ def test_empty_room_ends_with_event_and_realtime_row(settings, engine, caplog):
         "endReason": "EmptyTimeout",
         "signal": "Ended",
     }
-    [reaped] = events(caplog, "conference.reaped")
+    [reaped] = log_events(caplog, "conference.reaped")
     assert reaped == {
         "run_id": result["run_id"],
         "phase": "empty_room",
@@ -130,9 +129,9 @@ def test_empty_room_ends_with_event_and_realtime_row(settings, engine, caplog):
         "end_reason": "EmptyTimeout",
         "duration_seconds": 1795,
     }
-    assert events(caplog, "cycle.started")[0]["as_of"] == "2026-12-02T10:00:00Z"
-    assert events(caplog, "cycle.completed")[0]["empty_timeout_count"] == 1
-    assert {e["phase"] for e in events(caplog, "batch.selected")} == {
+    assert log_events(caplog, "cycle.started")[0]["as_of"] == "2026-12-02T10:00:00Z"
+    assert log_events(caplog, "cycle.completed")[0]["empty_timeout_count"] == 1
+    assert {e["phase"] for e in log_events(caplog, "batch.selected")} == {
         "empty_room",
         "provision_timeout",
         "stale_live",
@@ -212,7 +211,9 @@ def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, 
         live = f.recording(conn, room["id"], status="Recording")
         done_room = f.conference(conn, idle=timedelta(minutes=5))
         f.recording(conn, done_room["id"], status="Available")
-    reap(settings, engine, recorder=Recorder())
+    bus = Bus()
+    StopSignal(Recorder(), engine, bus).subscribe()  # type: ignore[arg-type]
+    reap(settings, engine, bus=bus)
     assert [(s.recording_id, s.conference_id, s.reason) for s in stops] == [
         (live["id"], room["id"], "EmptyTimeout")
     ]
@@ -325,7 +326,7 @@ def test_poison_row_is_isolated_and_the_rest_commits(settings, engine, caplog):
             future["id"]: ("Active", None),
             good["id"]: ("Ended", "EmptyTimeout"),
         }
-    failed = events(caplog, "item.failed")
+    failed = log_events(caplog, "item.failed")
     assert {e["conference_id"] for e in failed} == {poison["id"], future["id"]}
     assert all(
         r.levelno == logging.ERROR
@@ -364,7 +365,7 @@ def test_lock_held_elsewhere_makes_the_run_a_noop(settings, engine, caplog):
     assert result["skipped"] is True and result["empty_timeout_count"] == 0
     with engine.connect() as conn:
         assert f.statuses(conn) == {room["id"]: ("Active", None)} and f.outbox(conn) == []
-    skipped = events(caplog, "cycle.skipped")
+    skipped = log_events(caplog, "cycle.skipped")
     assert skipped and all(e["holder_pid"] == pid for e in skipped)
     assert reap(settings, engine)["empty_timeout_count"] == 1
 
@@ -394,10 +395,8 @@ def test_cycle_respects_max_run_duration_then_resumes(database_url, engine):
     settings = Settings(database_url=database_url, batch_size=10)
     with engine.begin() as conn:
         f.bulk_conferences(conn, 50)
-    ticks = iter(range(1000))
     # every clock read advances 10 s: the 30 s budget is spent after a few batches
-    clock = lambda: T0 + timedelta(seconds=10 * next(ticks))  # noqa: E731
-    first = Reaper(settings, engine=engine, clock=clock).run_cycle(T0)
+    first = Reaper(settings, engine=engine, clock=SteppingClock(10.0)).run_cycle(T0)
     assert 0 < first["empty_timeout_count"] < 50
-    rest = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    rest = Reaper(settings, engine=engine).run_cycle(T0)
     assert first["empty_timeout_count"] + rest["empty_timeout_count"] == 50

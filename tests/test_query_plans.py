@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 
 from reaper.queries import load
-from tests.factory import T0
+from tests.support.factory import T0
 
 HISTORY = 100_000
 LIVE = 2_000

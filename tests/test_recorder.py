@@ -1,4 +1,4 @@
-"""The recorder stop signal (CONTRACT §8) against a real HTTP server."""
+"""The recorder stop signal (docs/design.md#the-recorder-stop-signal) against a real HTTP server."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from sqlalchemy import Engine, text
 from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from tests import factory as f
 from tests.conftest import BIN, ROOT, free_port
-from tests.factory import T0
+from tests.support import factory as f
+from tests.support.factory import T0
+from tests.support.facts import log_events, wired_bus
 
 FAILED_METRIC = "messenger_conf_reaper_recorder_stop_failed_total"
 
@@ -80,12 +81,10 @@ def recorder() -> Iterator[Recorder]:
     server.server_close()
 
 
-def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
-    return [r.fields for r in caplog.records if getattr(r, "event", None) == name]
-
 
 def reap(settings: Settings, engine: Engine, as_of=T0) -> dict:
-    return Reaper(settings, engine=engine, clock=lambda: as_of).run_cycle(as_of)
+    """A cycle in a process configured by ``settings`` (its recorder URL above all)."""
+    return Reaper(settings, engine=engine, bus=wired_bus(settings, engine)).run_cycle(as_of)
 
 
 def stop_requested(engine: Engine) -> dict[str, object]:
@@ -134,7 +133,7 @@ def test_active_recordings_get_one_stop_call_each(settings, engine, recorder, ca
     assert all(marks[r] is not None for r in expected)
     assert marks[available["id"]] is None and marks[broken["id"]] is None
     assert marks[untouched["id"]] is None
-    assert len(events(caplog, "recorder.stop_requested")) == 3
+    assert len(log_events(caplog, "recorder.stop_requested")) == 3
 
     # Later cycles never call again, even once the room with the live recording ends.
     with engine.begin() as conn:
@@ -182,7 +181,7 @@ def _failing_recorder_case(settings, engine, url, timeout, caplog) -> tuple[dict
         other["id"]: ("Ended", "EmptyTimeout"),
     }
     assert stop_requested(engine)[rec["id"]] is None  # not taken: not marked
-    [failed] = events(caplog, "recorder.stop_failed")
+    [failed] = log_events(caplog, "recorder.stop_failed")
     assert failed["recording_id"] == rec["id"] and failed["conference_id"] == room["id"]
     return failed, rec["id"], elapsed
 
@@ -197,14 +196,14 @@ def test_server_error_leaves_the_conference_ended(settings, engine, recorder, ca
 def test_timeout_leaves_the_conference_ended(settings, engine, recorder, caplog):
     recorder.delay = 3.0
     failed, _, elapsed = _failing_recorder_case(settings, engine, recorder.url, 0.5, caplog)
-    assert failed["error"] in ("TimeoutError", "URLError", "timeout")
+    assert failed["error"].split(":")[0] in ("TimeoutError", "URLError", "timeout")
     assert elapsed < 2.9  # gave up at its own timeout, did not wait for the answer
 
 
 def test_refused_connection_leaves_the_conference_ended(settings, engine, caplog):
     url = f"http://127.0.0.1:{free_port()}"
     failed, _, _ = _failing_recorder_case(settings, engine, url, 2.0, caplog)
-    assert failed["error"] in ("ConnectionRefusedError", "URLError")
+    assert failed["error"].split(":")[0] in ("ConnectionRefusedError", "URLError")
 
 
 def test_a_hanging_recorder_delays_a_full_batch_by_about_two_timeouts(settings, engine, recorder):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
 from kafka import KafkaProducer
+from kafka import errors as kafka_errors
 from kafka.errors import KafkaTimeoutError
 from sqlalchemy import Engine, text
 
@@ -28,14 +30,12 @@ from reaper.cycle import Reaper
 from reaper.kafka import ProducerSlot, producer_config
 from reaper.queries import Queries
 from reaper.relay import Relay
-from tests import factory as f
+from reaper.traceids import cycle_span_id_for
 from tests.conftest import ROOT, free_port
-from tests.factory import T0
-from tests.kafkatools import Tansu, create_topic, read_topic
-
-
-def events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
-    return [r.fields for r in caplog.records if getattr(r, "event", None) == name]
+from tests.support import factory as f
+from tests.support.factory import T0
+from tests.support.facts import log_events
+from tests.support.kafka import Tansu, create_topic, read_topic
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ def make_relay(settings: Settings, engine: Engine, producers: Producers, **kwarg
 
 
 def reap(settings: Settings, engine: Engine, as_of: datetime = T0) -> dict:
-    return Reaper(settings, engine=engine, clock=lambda: as_of).run_cycle(as_of)
+    return Reaper(settings, engine=engine).run_cycle(as_of)
 
 
 def outbox_rows(engine: Engine) -> list[dict]:
@@ -151,11 +151,14 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
     record = by_conf[room["id"]]
     row = rows[record.event_id]
     assert record.key == room["deal_id"] == row["message_key"]
+    trace_id = uuid.UUID(cycle["run_id"]).hex  # the cycle's trace, for the consumers
     assert record.headers == {
         "event-id": record.event_id,
         "event-type": "pin.messenger.conference-ended.v1",
         "correlation-id": cycle["run_id"],
+        "traceparent": f"00-{trace_id}-{cycle_span_id_for(cycle['run_id']):016x}-01",
     }
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}", record.headers["traceparent"])
     assert record.value == {
         "eventId": record.event_id,
         "eventType": "pin.messenger.conference-ended.v1",
@@ -192,7 +195,7 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
 
     for row in rows.values():
         assert row["published_at"] is not None and row["attempts"] == 1
-    assert events(caplog, "relay.completed")[-1]["published"] == 2
+    assert log_events(caplog, "relay.completed")[-1]["published"] == 2
 
     # A second pass has nothing left to send.
     again = make_relay(rsettings, engine, producers).run()
@@ -226,41 +229,74 @@ def test_events_of_one_deal_arrive_in_commit_order(
     assert [r.value["payload"]["conferenceId"] for r in mine] == expected
 
 
-def test_a_refused_row_holds_back_its_key_while_other_keys_go_on(
+class _Failed:
+    """A send whose acknowledgement fails with ``error`` (kafka-python's future API)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def get(self, timeout: float | None = None) -> None:
+        raise self.error
+
+
+class FailingSlot(ProducerSlot):
+    """A real producer whose records of the chosen event ids fail, once each, with
+    the given error (Tansu refuses nothing on its own)."""
+
+    def __init__(self, settings: Settings, failures: dict[str, BaseException]) -> None:
+        super().__init__(settings)
+        self.failures = dict(failures)
+
+    def get(self) -> KafkaProducer:
+        real = super().get()
+        slot = self
+
+        class Producer:
+            def send(self, topic, *, key, value, headers):
+                event_id = dict(headers)["event-id"].decode()
+                if event_id in slot.failures:
+                    return _Failed(slot.failures.pop(event_id))
+                return real.send(topic, key=key, value=value, headers=headers)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        return Producer()  # type: ignore[return-value]
+
+
+def test_a_failed_row_holds_back_its_key_while_other_keys_go_on(
     rsettings, engine, producers, topic, kafka_broker, caplog
 ):
     caplog.set_level(logging.INFO, "reaper")
     with engine.begin() as conn:
-        # An illegal topic name: the producer refuses the record.
-        first = add_outbox_row(conn, topic="no such topic!", key="deal-a")
+        first = add_outbox_row(conn, topic=topic, key="deal-a")
         second = add_outbox_row(conn, topic=topic, key="deal-a")
         other = add_outbox_row(conn, topic=topic, key="deal-b")
-    relay = make_relay(rsettings, engine, producers)
+    # retriable: the partition's leader is moving
+    slot = FailingSlot(rsettings, {first: kafka_errors.NotLeaderForPartitionError()})
+    producers.slots.append(slot)
+    relay = Relay(rsettings, engine=engine, producers=slot)
 
     result = relay.run()
     assert (result.published, result.failed, result.pending, result.held_back) == (1, 1, 2, 1)
+    assert result.parked == 0
     rows = {str(r["event_id"]): r for r in outbox_rows(engine)}
     assert rows[other]["published_at"] is not None
     assert rows[first]["published_at"] is None and rows[first]["attempts"] == 1
-    assert "illegal" in rows[first]["last_error"]
+    assert rows[first]["parked_at"] is None
+    assert "NotLeaderForPartitionError" in rows[first]["last_error"]
     assert rows[first]["next_attempt_at"] > datetime.now(UTC)
     assert rows[second]["published_at"] is None and rows[second]["attempts"] == 0
-    [failed] = events(caplog, "relay.row_failed")
+    [failed] = log_events(caplog, "relay.row_failed")
     assert failed["event_id"] == first and failed["message_key"] == "deal-a"
 
     # While the first row backs off, the second one still waits behind it.
     assert relay.run().published == 0
     assert outbox_rows(engine)[1]["published_at"] is None
 
-    # Fixed and due again: both go, in order.
+    # Due again (the leader is back): both go, in order.
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "UPDATE messenger.integration_outbox SET topic = :t, next_attempt_at = now()"
-                " WHERE event_id = :e"
-            ),
-            {"t": topic, "e": first},
-        )
+        conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = now()"))
     assert relay.run().to_json() == {"published": 2, "failed": 0, "pending": 0}
     records = read_topic(kafka_broker, topic, expect=3)
     deal_a = sorted((r for r in records if r.key == "deal-a"), key=lambda r: r.offset)
@@ -268,11 +304,72 @@ def test_a_refused_row_holds_back_its_key_while_other_keys_go_on(
     assert outbox_rows(engine)[0]["attempts"] == 2
 
 
-def test_backoff_grows_and_is_capped(rsettings, engine, producers):
+@pytest.mark.parametrize(
+    "refusal",
+    ["illegal-topic", "too-large"],
+)
+def test_a_row_refused_for_good_is_parked_and_holds_nothing_back(
+    rsettings, engine, producers, topic, kafka_broker, caplog, refusal
+):
+    """Refused as not retriable: parked at once (parked_at, last_error), and the later
+    rows of its key go on in the same pass."""
+    caplog.set_level(logging.INFO, "reaper")
+    rsettings = rsettings.model_copy(update={"kafka_max_request_size": 4096})
     with engine.begin() as conn:
-        add_outbox_row(conn, topic="bad topic!", key="k")
+        if refusal == "illegal-topic":
+            refused = add_outbox_row(conn, topic="no such topic!", key="deal-a")
+        else:  # larger than REAPER_KAFKA_MAX_REQUEST_SIZE
+            refused = add_outbox_row(
+                conn, topic=topic, key="deal-a", payload={"eventId": "x", "pad": "p" * 8000}
+            )
+        later = add_outbox_row(conn, topic=topic, key="deal-a")
+        other = add_outbox_row(conn, topic=topic, key="deal-b")
     relay = make_relay(rsettings, engine, producers)
+
+    result = relay.run()
+    assert (result.published, result.failed, result.parked, result.pending) == (2, 0, 1, 0)
+    assert result.outbox_parked == 1
+    rows = {str(r["event_id"]): r for r in outbox_rows(engine)}
+    assert rows[refused]["parked_at"] is not None and rows[refused]["published_at"] is None
+    assert rows[refused]["attempts"] == 1
+    expected = "ValueError" if refusal == "illegal-topic" else "MessageSizeTooLargeError"
+    assert expected in rows[refused]["last_error"]
+    assert rows[later]["published_at"] is not None and rows[other]["published_at"] is not None
+    [parked] = log_events(caplog, "relay.row_parked")
+    assert parked["event_id"] == refused
+    deal_a = [r.event_id for r in read_topic(kafka_broker, topic, expect=2) if r.key == "deal-a"]
+    assert deal_a == [later]
+    # A parked row is never claimed again.
+    assert relay.run().to_json() == {"published": 0, "failed": 0, "pending": 0}
+
+
+def test_a_row_out_of_attempts_is_parked(rsettings, engine, producers, topic):
+    rsettings = rsettings.model_copy(update={"relay_max_attempts": 3})
+    with engine.begin() as conn:
+        stuck = add_outbox_row(conn, topic=topic, key="deal-a")
+    slot = FailingSlot(rsettings, {})
+    producers.slots.append(slot)
+    relay = Relay(rsettings, engine=engine, producers=slot)
+    for attempt in range(1, 4):
+        slot.failures[stuck] = kafka_errors.NotEnoughReplicasError()
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = NULL"))
+        result = relay.run()
+        [row] = outbox_rows(engine)
+        assert row["attempts"] == attempt
+        assert (row["parked_at"] is not None) == (attempt == 3), attempt
+    assert result.parked == 1 and result.failed == 0
+    assert "parked after 3 attempts" in row["last_error"]
+
+
+def test_backoff_grows_and_is_capped(rsettings, engine, producers, topic):
+    with engine.begin() as conn:
+        event_id = add_outbox_row(conn, topic=topic, key="k")
+    slot = FailingSlot(rsettings, {})
+    producers.slots.append(slot)
+    relay = Relay(rsettings, engine=engine, producers=slot)
     for attempt in range(5):
+        slot.failures[event_id] = kafka_errors.NotEnoughReplicasError()
         with engine.begin() as conn:
             conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = NULL"))
         before = datetime.now(UTC)
@@ -316,7 +413,7 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
         pending = [r for r in outbox_rows(engine) if r["published_at"] is None]
         assert len(pending) == 3
         assert all(r["attempts"] == 1 and r["last_error"] for r in pending)
-        assert events(caplog, "relay.kafka_unavailable")
+        assert log_events(caplog, "relay.kafka_unavailable")
         assert metrics.sample("messenger_outbox_pending") == 3
         assert metrics.sample("messenger_outbox_oldest_pending_age_seconds") > 0
 
@@ -356,26 +453,43 @@ def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
     rows = outbox_rows(engine)
     assert all(r["published_at"] is None and r["attempts"] == 1 for r in rows)
     assert all("KafkaTimeoutError" in r["last_error"] for r in rows)
-    [line] = events(caplog, "relay.kafka_unavailable")
+    [line] = log_events(caplog, "relay.kafka_unavailable")
     assert line["rows"] == 3
     # backing off: the next pass does not even try
     assert make_relay(settings, engine, producers).run().failed == 0
 
 
 def test_missing_topic_is_named(rsettings, engine, producers, caplog):
-    """Tansu creates any topic asked for, so this checks the diagnosis the relay
-    makes when a send times out while the brokers answer: a real producer whose
-    metadata knows the brokers but no partition of the topic."""
+    """Tansu creates any topic it is asked about, so this checks the diagnosis the
+    relay makes when a send times out while the brokers answer, on a producer whose
+    brokers are connected but know no partition of the topic (as Kafka answers with
+    allow_auto_create_topics off)."""
     caplog.set_level(logging.INFO, "reaper")
     relay = make_relay(rsettings, engine, producers)
-    producer = relay.producers.get()
-    producer.partitions_for(rsettings.conference_ended_topic)  # metadata with brokers
     missing = f"never.created.{uuid.uuid4().hex[:6]}"
-    row = type("OutboxRow", (), {"topic": missing})()
-    relay._log_unavailable(KafkaTimeoutError("Failed to update metadata"), [row], producer)
-    [line] = events(caplog, "relay.topic_missing")
+
+    class Connected:
+        def bootstrap_connected(self) -> bool:
+            return True
+
+        def partitions_for(self, topic: str) -> set[int]:
+            if topic == missing:
+                raise KafkaTimeoutError("Failed to update metadata after 5.0 secs.")
+            return {0}
+
+    topics = (missing, rsettings.conference_ended_topic)
+    rows = [type("OutboxRow", (), {"topic": t})() for t in topics]
+    relay._log_unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Connected())
+    [line] = log_events(caplog, "relay.topic_missing")
     assert line["topic"] == missing and missing in line["reason"]
-    assert not events(caplog, "relay.kafka_unavailable")
+    assert not log_events(caplog, "relay.kafka_unavailable")
+
+    class Unreachable(Connected):
+        def bootstrap_connected(self) -> bool:
+            return False
+
+    relay._log_unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Unreachable())
+    assert len(log_events(caplog, "relay.kafka_unavailable")) == 1
 
 
 def test_soft_time_limit_ends_the_pass_and_marks_nothing(database_url, engine, producers, caplog):
@@ -406,7 +520,8 @@ def test_soft_time_limit_ends_the_pass_and_marks_nothing(database_url, engine, p
     assert result.timed_out and result.to_json() == {"published": 0, "failed": 0, "pending": 1}
     [row] = outbox_rows(engine)
     assert (row["attempts"], row["last_error"], row["published_at"]) == (0, None, None)
-    assert events(caplog, "relay.time_limit") and not events(caplog, "relay.kafka_unavailable")
+    assert log_events(caplog, "relay.time_limit")
+    assert not log_events(caplog, "relay.kafka_unavailable")
 
 
 # -- at least once, never twice in a pass --------------------------------------
@@ -506,7 +621,7 @@ def test_one_pass_at_a_time_the_other_only_measures(rsettings, engine, producers
         assert Queries(holder).try_relay_lock()  # a pass "in flight" elsewhere
         result = make_relay(rsettings, engine, producers).run()
         assert result.skipped and result.to_json() == {"published": 0, "failed": 0, "pending": 3}
-        assert events(caplog, "relay.skipped")
+        assert log_events(caplog, "relay.skipped")
         holder.rollback()
     assert make_relay(rsettings, engine, producers).run().to_json() == {
         "published": 3,
@@ -554,7 +669,7 @@ def test_retention_deletes_old_published_rows_in_batches(rsettings, engine, prod
             )
         ).one()
     assert tuple(left) == (0, 1, 2501)
-    assert events(caplog, "relay.retention_deleted")[0]["count"] == 2500
+    assert log_events(caplog, "relay.retention_deleted")[0]["count"] == 2500
 
 
 # -- the producer ----------------------------------------------------------------

@@ -3,7 +3,7 @@ middle of a cycle, Redis restarted under the worker, the Kafka broker down.
 Each time the service recovers by itself (same worker process, no restart by
 hand) and nothing is lost or doubled; the test records what /metrics showed.
 
-PostgreSQL and Redis are private instances on free ports (tests/services.py);
+PostgreSQL and Redis are private instances on free ports (tests/support/services.py);
 Kafka is a private Tansu. Outages are short by default; ``REAPER_SOAK=1``
 keeps the Kafka broker down for a full minute.
 """
@@ -20,12 +20,12 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 
 from reaper.db import migrate
-from tests import factory as f
-from tests.conftest import free_port
-from tests.invariants import audit_engine
-from tests.kafkatools import Tansu, create_topic, read_topic
-from tests.processes import Worker
-from tests.services import PrivatePostgres, PrivateRedis, scrape, wait_until
+from tests.support import factory as f
+from tests.support.invariants import audit_engine
+from tests.support.kafka import Tansu, create_topic, read_topic
+from tests.support.ports import free_port
+from tests.support.processes import Worker
+from tests.support.services import PrivatePostgres, PrivateRedis, scrape, wait_until
 
 SOAK = os.environ.get("REAPER_SOAK") == "1"
 KAFKA_DOWN = 60.0 if SOAK else 12.0
@@ -89,6 +89,9 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
             "REAPER_BATCH_SIZE": "50",
             "REAPER_METRICS_PORT": str(metrics_port),
             "REAPER_METRICS_ADDRESS": "127.0.0.1",
+            # the cycle the crash hit cannot end: its run is taken over after this
+            "REAPER_LOCK_TTL": "15",
+            "REAPER_MAX_RUN_DURATION": "10",
         },
         name="pg-fault",
     ).start()

@@ -18,10 +18,11 @@ import pytest
 from sqlalchemy import Engine, text
 
 from reaper import metrics
+from reaper.clock import rfc3339
 from reaper.config import Settings
-from reaper.cycle import Reaper, rfc3339
-from tests import factory as f
-from tests.factory import T0
+from reaper.cycle import Reaper
+from tests.support import factory as f
+from tests.support.factory import T0
 
 REAPER = str(Path(sys.executable).parent / "reaper")
 
@@ -71,7 +72,7 @@ def test_presence_outage_is_blocked_and_other_phases_go_on(settings, engine, cap
     caplog.set_level(logging.INFO, "reaper")
     seed(engine, stale=30, fresh=10, empty=3)  # 30 of 40 live rooms look stale
     before = blocked_total()
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     assert blocked_total() == before + 1
     assert result["stale_timeout_count"] == 0
     assert result["empty_timeout_count"] == 3  # empty_room is not guarded
@@ -98,7 +99,7 @@ def test_presence_outage_is_blocked_and_other_phases_go_on(settings, engine, cap
 def test_at_or_below_the_share_is_reaped(settings, engine, caplog):
     caplog.set_level(logging.INFO, "reaper")
     seed(engine, stale=25, fresh=25)  # exactly half: not more than the share
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["stale_timeout_count"] == 25
     assert not events(caplog, "phase.mass_closure_blocked")
 
@@ -106,7 +107,7 @@ def test_at_or_below_the_share_is_reaped(settings, engine, caplog):
 def test_at_or_below_the_floor_is_reaped_even_when_all_are_stale(settings, engine, caplog):
     caplog.set_level(logging.INFO, "reaper")
     seed(engine, stale=20, fresh=0)  # 100 % but only the floor
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["stale_timeout_count"] == 20
     assert not events(caplog, "phase.mass_closure_blocked")
 
@@ -114,7 +115,7 @@ def test_at_or_below_the_floor_is_reaped_even_when_all_are_stale(settings, engin
 def test_one_above_the_floor_is_blocked(settings, engine, caplog):
     caplog.set_level(logging.INFO, "reaper")
     seed(engine, stale=21, fresh=0)
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["stale_timeout_count"] == 0 and count(engine, "Active") == 21
     assert len(events(caplog, "phase.mass_closure_blocked")) == 1
 
@@ -123,7 +124,7 @@ def test_override_lets_one_run_through_and_says_so(settings, engine, caplog):
     caplog.set_level(logging.INFO, "reaper")
     seed(engine, stale=30, fresh=10)
     before = blocked_total()
-    reaper = Reaper(settings, engine=engine, clock=lambda: T0, allow_mass_closure=True)
+    reaper = Reaper(settings, engine=engine, allow_mass_closure=True)
     result = reaper.run_cycle(T0)
     assert blocked_total() == before
     assert result["stale_timeout_count"] == 30 and count(engine, "Ended", "Timeout") == 30
@@ -137,7 +138,7 @@ def test_share_of_one_turns_the_guard_off(database_url, engine):
     settings = Settings(database_url=database_url, mass_closure_share=1)
     seed(engine, stale=30, fresh=0)
     assert (
-        Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)["stale_timeout_count"] == 30
+        Reaper(settings, engine=engine).run_cycle(T0)["stale_timeout_count"] == 30
     )
 
 
@@ -151,7 +152,7 @@ def test_poison_rows_do_not_count_as_eligible(database_url, engine, caplog):
         good = f.conference(conn, idle=timedelta(hours=5), age=timedelta(hours=6), participants=1)
         for _ in range(3):
             f.conference(conn, idle=timedelta(minutes=1), participants=2)
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     # the census leaves out what the guard would reject: 1 eligible <= floor 2
     assert result["stale_timeout_count"] == 1 and result["failed_count"] == 3, result
     with engine.connect() as conn:

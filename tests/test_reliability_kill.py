@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
-from reaper.cycle import rfc3339
+from reaper.clock import rfc3339
 from reaper.lock import holder
-from tests import factory as f
-from tests import services
-from tests.factory import T0
-from tests.invariants import audit_engine
-from tests.processes import Worker
+from tests.support import factory as f
+from tests.support import services
+from tests.support.factory import T0
+from tests.support.invariants import audit_engine
+from tests.support.processes import Worker
 
 # A batch lasts milliseconds: poll fast enough to catch one in flight.
 wait_until = functools.partial(services.wait_until, interval=0.01)

@@ -15,9 +15,9 @@ from sqlalchemy import Connection, text
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from tests import factory as f
-from tests.factory import T0
-from tests.invariants import audit_engine
+from tests.support import factory as f
+from tests.support.factory import T0
+from tests.support.invariants import audit_engine
 
 STALE = {"idle": timedelta(hours=5), "age": timedelta(hours=6), "participants": 2}
 EMPTY = {"idle": timedelta(minutes=5)}
@@ -109,7 +109,7 @@ def test_poison_is_isolated_and_the_rest_commits(
 
     for cycle in range(2):  # a second cycle isolates them again, duplicates nothing
         caplog.clear()
-        result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+        result = Reaper(settings, engine=engine).run_cycle(T0)
         assert result[key] == (len(odd) + len(good) if cycle == 0 else 0), result
         assert result["failed_count"] == len(poison), result
         records = [r for r in caplog.records if getattr(r, "event", None)]
@@ -149,7 +149,7 @@ def test_provisioning_oddities_fail_cleanly(settings, engine, caplog):
         ]
         f.participant(conn, rows[0]["id"], joined_at=T0 + timedelta(days=1))
         f.recording(conn, rows[1]["id"], status="Pending")
-    result = Reaper(settings, engine=engine, clock=lambda: T0).run_cycle(T0)
+    result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["provision_failed_count"] == 3 and result["failed_count"] == 0
     assert not [r for r in caplog.records if getattr(r, "event", None) == "phase.failed"]
     audit_engine(engine).assert_clean()

@@ -28,8 +28,8 @@ from sqlalchemy import Connection, Engine, create_engine, text
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from tests import factory as f
-from tests.invariants import audit
+from tests.support import factory as f
+from tests.support.invariants import audit
 
 SOAK = os.environ.get("REAPER_SOAK") == "1"
 SCHEDULES = 400 if SOAK else 40

@@ -18,10 +18,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import Engine, text
 
-from tests import factory as f
-from tests.invariants import audit_engine
-from tests.kafkatools import create_topic, read_topic
-from tests.processes import Worker, wait_until
+from tests.support import factory as f
+from tests.support.invariants import audit_engine
+from tests.support.kafka import create_topic, read_topic
+from tests.support.processes import Worker, wait_until
 
 SOAK = os.environ.get("REAPER_SOAK") == "1"
 LOAD_SECONDS = 300 if SOAK else 20

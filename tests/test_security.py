@@ -25,10 +25,10 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from tests import factory as f
-from tests.kafkatools import create_topic, read_topic
-from tests.processes import ROOT, Worker
-from tests.services import PrivatePostgres
+from tests.support import factory as f
+from tests.support.kafka import create_topic, read_topic
+from tests.support.processes import ROOT, Worker
+from tests.support.services import PrivatePostgres
 
 BIN = Path(sys.executable).parent
 ROLE = "reaper_worker"
@@ -97,6 +97,7 @@ TABLES = (
     "call_recordings",
     "integration_outbox",
     "realtime_outbox",
+    "reaper_runs",
 )
 EXPECTED_TABLE_PRIVILEGES = {
     "conference_sessions": {"SELECT"},
@@ -104,6 +105,7 @@ EXPECTED_TABLE_PRIVILEGES = {
     "call_recordings": {"SELECT"},
     "integration_outbox": {"SELECT", "INSERT", "DELETE"},
     "realtime_outbox": {"SELECT", "INSERT"},
+    "reaper_runs": {"SELECT", "INSERT", "DELETE"},
 }
 EXPECTED_UPDATE_COLUMNS = {
     "conference_sessions": {
@@ -116,8 +118,25 @@ EXPECTED_UPDATE_COLUMNS = {
     },
     "conference_participants": {"left_at"},
     "call_recordings": {"stop_requested_at"},
-    "integration_outbox": {"published_at", "attempts", "last_error", "next_attempt_at"},
+    "integration_outbox": {
+        "published_at",
+        "attempts",
+        "last_error",
+        "next_attempt_at",
+        "parked_at",
+    },
     "realtime_outbox": set(),
+    "reaper_runs": {
+        "lease_expires_at",
+        "phase",
+        "counts",
+        "excluded",
+        "blocked",
+        "paused",
+        "errors",
+        "finished_at",
+        "outcome",
+    },
 }
 
 
@@ -205,7 +224,7 @@ def test_a_cycle_and_a_relay_pass_run_as_a_member_of_the_role(engine, login_url,
     )
     worker_engine = create_engine(login_url)
     try:
-        result = Reaper(settings, engine=worker_engine, clock=lambda: f.T0).run_cycle(f.T0)
+        result = Reaper(settings, engine=worker_engine).run_cycle(f.T0)
         assert result["empty_timeout_count"] == 2 and result["stale_timeout_count"] == 1
         assert result["provision_failed_count"] == 1 and result["failed_count"] == 0
         with engine.begin() as conn:  # as the owner: topic of the rows to this test's topic
@@ -257,8 +276,14 @@ EMAIL = re.compile(r"[\w.+-]+@[\w-]+\.[\w.]+")
 TOKEN = re.compile(r"(eyJ[\w-]{10,}\.[\w-]{10,})|(\b[A-Za-z0-9+/]{40,}={0,2})")
 
 
+# W3C trace context: ids too (the cycle's trace and span)
+TRACEPARENT = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
 def id_like(value: str) -> bool:
-    return bool(UUID.match(value) or TIME.match(value)) or value in ENUMS
+    return bool(UUID.match(value) or TIME.match(value) or TRACEPARENT.match(value)) or (
+        value in ENUMS
+    )
 
 
 def leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:

@@ -14,13 +14,15 @@ from pathlib import Path
 
 from sqlalchemy import Engine, text
 
+from reaper import budgets
 from reaper.celery_app import app
 from reaper.config import Settings
-from reaper.cycle import Cycle, Reaper
+from reaper.cycle import Reaper
+from reaper.db import transaction
 from reaper.lock import holder
-from reaper.phases import EMPTY_ROOM
-from tests import factory as f
-from tests.processes import ROOT, Worker, wait_until
+from reaper.phases import EMPTY_ROOM, reap_batch
+from tests.support import factory as f
+from tests.support.processes import ROOT, Worker, wait_until
 
 BIN = Path(sys.executable).parent
 
@@ -205,7 +207,9 @@ def test_reap_once_cli_prints_the_result(engine):
         "skipped_locked_count",
         "failed_count",
         "duration_ms",
+        "paused",
     }
+    assert result["paused"] == []
     assert '"event": "cycle.completed"' in done.stderr
 
 
@@ -262,26 +266,28 @@ def test_two_runners_at_once_reap_each_room_exactly_once(database_url, engine):
 
 
 def test_runners_bypassing_the_lock_still_reap_each_room_once(database_url, engine):
-    """Defence in depth: without the run lock, SKIP LOCKED and the status guard suffice."""
+    """Defence in depth: without the run lock, SKIP LOCKED and the status guard suffice.
+    Four runners take batches of one phase side by side, with no run and no lock."""
     settings = Settings(database_url=database_url, batch_size=25)
     with engine.begin() as conn:
         f.bulk_conferences(conn, 2_000, as_of=f.T0)
-    reaper = Reaper(settings, engine=engine)
-    cycles = [reaper.start(f.T0) for _ in range(4)]
+    per_runner = [0, 0, 0, 0]
 
-    def drain(cycle: Cycle) -> None:
+    def drain(index: int) -> None:
         while True:  # keep going until nothing is left for anyone
-            before = cycle.counts["empty_timeout_count"]
-            reaper._drain(EMPTY_ROOM, cycle)
-            if cycle.counts["empty_timeout_count"] == before:
+            with transaction(engine, budgets.batch(settings)) as queries:
+                outcome = reap_batch(
+                    queries, EMPTY_ROOM, settings, as_of=f.T0, run_id=str(index), excluded=[]
+                )
+            per_runner[index] += len(outcome.reaped)
+            if not outcome.claimed and not outcome.locked:
                 return
 
-    runners = [threading.Thread(target=drain, args=(c,)) for c in cycles]
+    runners = [threading.Thread(target=drain, args=(i,)) for i in range(4)]
     for runner in runners:
         runner.start()
     for runner in runners:
         runner.join()
-    per_runner = [c.counts["empty_timeout_count"] for c in cycles]
     assert sum(per_runner) == 2_000
     assert consistent(engine) == (2_000, 2_000, 2_000)
     print(f"\n[figures] 4 lock-less runners split 2000 rooms as {per_runner}")

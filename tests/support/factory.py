@@ -6,9 +6,15 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 
 T0 = datetime(2026, 12, 2, 10, 0, 0, tzinfo=UTC)
+
+
+def db_now(engine: Engine) -> datetime:
+    """The database's clock, the reference of every cycle (docs/design.md#time)."""
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT clock_timestamp()")).scalar_one()
 
 
 def new_id() -> str:

@@ -17,7 +17,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
-from tests.conftest import free_port, wait_for_port
+from tests.support.ports import free_port, wait_for_port
 
 TOPIC = "pin.messenger.conference-ended.v1"
 

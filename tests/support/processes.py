@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CELERY = str(Path(sys.executable).parent / "celery")
 
 
@@ -84,3 +84,20 @@ class Worker:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+REAPER = str(Path(sys.executable).parent / "reaper")
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``reaper ARGS...`` as an operator runs it, with this session's environment."""
+    return subprocess.run(
+        [REAPER, *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

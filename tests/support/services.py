@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.conftest import free_port, wait_for_port
+from tests.support.ports import free_port, wait_for_port
 
 PG_BIN = Path(os.environ.get("REAPER_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 
