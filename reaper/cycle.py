@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from reaper import budgets
 from reaper.clock import Monotonic, monotonic, parse_time, rfc3339, utcnow
@@ -45,7 +45,7 @@ from reaper.events import (
     PhaseFailed,
     process_bus,
 )
-from reaper.phases import ORDER, PHASES, BatchOutcome, Phase, reap_batch
+from reaper.phases import ORDER, PHASES, BatchOutcome, Phase, candidates, reap_batch
 from reaper.runs import COUNT_KEYS, Run, Runs, Start, unowned_result
 
 
@@ -233,6 +233,47 @@ class Reaper:
         )  # fmt: skip
         return not self.allow_mass_closure
 
+    def _batch(self, phase: Phase, run: Run, only: list[str] | None = None) -> BatchOutcome:
+        """One batch, one transaction; poison rows are left out for the rest of the cycle."""
+        with transaction(self.engine, budgets.batch(self.settings)) as queries:
+            outcome = reap_batch(
+                queries,
+                phase,
+                self.settings,
+                as_of=run.as_of,
+                run_id=run.run_id,
+                excluded=run.excluded_now(),
+                only=only,
+            )
+            # Before the commit: a lane whose batch starts after it leaves them out.
+            fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
+            outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]
+        return outcome
+
+    def _isolate(self, phase: Phase, run: Run, ids: list[str], refused: DBAPIError) -> BatchOutcome:
+        """The database refused a batch: the same batch in halves, each its own
+        transaction, until the row it refuses is alone. That row is poison (left
+        out for the cycle, counted, logged); every other row commits."""
+        if not ids:
+            return BatchOutcome()
+        if len(ids) == 1:
+            if not run.exclude(ids):  # another lane isolated it first
+                return BatchOutcome()
+            return BatchOutcome(
+                rejected=[ConferenceRejected(run.run_id, phase.name, ids[0], describe(refused))]
+            )
+        halves = (ids[: len(ids) // 2], ids[len(ids) // 2 :])
+        outcome = BatchOutcome()
+        for half in halves:
+            try:
+                part = self._batch(phase, run, only=half)
+            except DBAPIError as exc:
+                if not refused_by_database(exc):
+                    raise
+                part = self._isolate(phase, run, half, exc)
+            outcome = outcome.merge(part)
+        return outcome
+
     def _drain(self, phase: Phase, run: Run, started_ns: int) -> PhaseCompleted:
         """The phase's batches on ``REAPER_DRAIN_LANES`` lanes until the work runs out."""
         settings = self.settings
@@ -241,18 +282,17 @@ class Reaper:
 
         def batch() -> tuple[BatchOutcome, int, int]:
             began = time.time_ns()
-            with transaction(self.engine, budgets.batch(settings)) as queries:
-                outcome = reap_batch(
-                    queries,
-                    phase,
-                    settings,
-                    as_of=run.as_of,
-                    run_id=run.run_id,
-                    excluded=run.excluded_now(),
-                )
-                # Before the commit: a lane whose batch starts after it leaves them out.
-                fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
-                outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]
+            try:
+                outcome = self._batch(phase, run)
+            except DBAPIError as exc:
+                if not refused_by_database(exc):
+                    raise
+                with transaction(self.engine, budgets.batch(settings)) as queries:
+                    ids = candidates(
+                        queries, phase, settings, as_of=run.as_of, excluded=run.excluded_now()
+                    )
+                outcome = self._isolate(phase, run, ids, exc)
+                outcome.candidates = len(ids)
             locked.add(
                 [r.conference_id for r in outcome.reaped]
                 + [r.conference_id for r in outcome.rejected],
@@ -283,11 +323,13 @@ class Reaper:
             )
             self.bus.emit_each(outcome.reaped, ConferenceReaped)
             self.bus.emit_each(outcome.rejected, ConferenceRejected)
+            for anomaly in outcome.anomalies:
+                self.bus.emit(anomaly)
 
         drained: Drained = drain(
             batch,
             report,
-            full=lambda done: done[0].claimed >= settings.batch_size,
+            full=lambda done: done[0].full(settings.batch_size),
             lanes=settings.drain_lanes,
             deadline=self.clock() + run.remaining.total_seconds(),
             clock=self.clock,
@@ -306,6 +348,13 @@ class Reaper:
             started_ns,
             time.time_ns(),
         )
+
+
+def refused_by_database(exc: DBAPIError) -> bool:
+    """PostgreSQL refused the data of some row (a data exception, a constraint, a
+    trigger raising), not the statement or the connection."""
+    code = getattr(exc.orig, "pgcode", None) or ""
+    return code[:2] in ("22", "23", "P0")
 
 
 def phase_result(

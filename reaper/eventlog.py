@@ -14,6 +14,7 @@ from reaper.clock import rfc3339
 from reaper.events import (
     BatchCommitted,
     Bus,
+    ConferenceAnomaly,
     ConferenceReaped,
     ConferenceRejected,
     CycleFinished,
@@ -49,6 +50,7 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(BatchCommitted, batch_committed)
     bus.subscribe(ConferenceReaped, conference_reaped)
     bus.subscribe(ConferenceRejected, conference_rejected)
+    bus.subscribe(ConferenceAnomaly, conference_anomaly)
     bus.subscribe(MassClosure, mass_closure)
     bus.subscribe(PhaseCompleted, phase_completed)
     bus.subscribe(PhaseFailed, phase_failed)
@@ -140,6 +142,19 @@ def conference_rejected(fact: ConferenceRejected) -> None:
         phase=fact.phase,
         conference_id=fact.conference_id,
         error=fact.reason,
+    )
+
+
+def conference_anomaly(fact: ConferenceAnomaly) -> None:
+    log(
+        logger,
+        "conference.anomaly",
+        level=logging.WARNING,
+        run_id=fact.run_id,
+        phase=fact.phase,
+        conference_id=fact.conference_id,
+        problem=fact.problem,
+        duration_seconds=None,
     )
 
 

@@ -151,6 +151,16 @@ class ConferenceRejected:
 
 
 @dataclass(frozen=True, slots=True)
+class ConferenceAnomaly:
+    """A room closed although its started_at could give no duration (it is null)."""
+
+    run_id: str
+    phase: str
+    conference_id: str
+    problem: str
+
+
+@dataclass(frozen=True, slots=True)
 class BatchCommitted:
     run_id: str
     phase: str

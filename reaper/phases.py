@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from reaper.config import Settings
-from reaper.events import ConferenceReaped, ConferenceRejected
+from reaper.events import ConferenceAnomaly, ConferenceReaped, ConferenceRejected
 from reaper.queries import Queries
 from reaper.recorder import StopRequest
 
@@ -57,10 +57,42 @@ class BatchOutcome:
     rejected: list[ConferenceRejected] = field(default_factory=list)
     locked: list[str] = field(default_factory=list)
     stops: list[StopRequest] = field(default_factory=list)
+    # reaped rooms whose duration could not be given (docs/design.md#anomalies)
+    anomalies: list[ConferenceAnomaly] = field(default_factory=list)
+    # a batch retried in parts (cycle.Reaper._isolate): the rows it was made of;
+    # a sibling lane may have claimed some of them meanwhile
+    candidates: int = 0
 
     @property
     def claimed(self) -> int:
         return len(self.reaped) + len(self.rejected)
+
+    def full(self, batch_size: int) -> bool:
+        """A whole batch: there may be more to do."""
+        return max(self.claimed, self.candidates) >= batch_size
+
+    def merge(self, other: BatchOutcome) -> BatchOutcome:
+        return BatchOutcome(
+            self.reaped + other.reaped,
+            self.rejected + other.rejected,
+            self.locked + other.locked,
+            self.stops + other.stops,
+            self.anomalies + other.anomalies,
+            max(self.candidates, other.candidates),
+        )
+
+
+def candidates(
+    queries: Queries, phase: Phase, settings: Settings, *, as_of: datetime, excluded: list[str]
+) -> list[str]:
+    """The ids the next batch of ``phase`` would claim (to isolate a refused row)."""
+    return queries.batch_candidates(
+        phase=phase.name,
+        cutoff=phase.cutoff(settings, as_of),
+        require_empty=phase is EMPTY_ROOM,
+        batch_size=settings.batch_size,
+        excluded=excluded,
+    )
 
 
 def reap_batch(
@@ -71,12 +103,15 @@ def reap_batch(
     as_of: datetime,
     run_id: str,
     excluded: list[str],
+    only: list[str] | None = None,
 ) -> BatchOutcome:
+    """One batch of ``phase`` (``only``: of these rows alone)."""
     common = {
         "as_of": as_of,
         "cutoff": phase.cutoff(settings, as_of),
         "batch_size": settings.batch_size,
         "excluded": excluded,
+        "only": only,
     }
     if phase is PROVISION_TIMEOUT:
         rows = queries.fail_provisioning_batch(**common)
@@ -106,6 +141,10 @@ def reap_batch(
                     row.lateness_seconds,
                 )
             )
+            if row.detail is not None:
+                outcome.anomalies.append(
+                    ConferenceAnomaly(run_id, phase.name, conference_id, row.detail)
+                )
         elif row.kind == "poison":
             outcome.rejected.append(
                 ConferenceRejected(run_id, phase.name, conference_id, row.detail)

@@ -148,6 +148,7 @@ class Queries:
         end_reason: str,
         batch_size: int,
         excluded: list[str],
+        only: list[str] | None,
         run_id: str,
         topic: str,
     ) -> list[Row]:
@@ -161,13 +162,20 @@ class Queries:
                 end_reason=end_reason,
                 batch_size=batch_size,
                 excluded=excluded,
+                only=only,
                 run_id=run_id,
                 topic=topic,
             )
         )
 
     def fail_provisioning_batch(
-        self, *, as_of: datetime, cutoff: datetime, batch_size: int, excluded: list[str]
+        self,
+        *,
+        as_of: datetime,
+        cutoff: datetime,
+        batch_size: int,
+        excluded: list[str],
+        only: list[str] | None,
     ) -> list[Row]:
         return list(
             _run(
@@ -177,7 +185,29 @@ class Queries:
                 cutoff=cutoff,
                 batch_size=batch_size,
                 excluded=excluded,
+                only=only,
             )
+        )
+
+    def batch_candidates(
+        self,
+        *,
+        phase: str,
+        cutoff: datetime,
+        require_empty: bool,
+        batch_size: int,
+        excluded: list[str],
+    ) -> list[str]:
+        return list(
+            _run(
+                self.conn,
+                "batch_candidates",
+                phase=phase,
+                cutoff=cutoff,
+                require_empty=require_empty,
+                batch_size=batch_size,
+                excluded=excluded,
+            ).scalars()
         )
 
     def stale_live_census(

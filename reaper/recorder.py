@@ -156,4 +156,3 @@ class StopSignal:
             except SQLAlchemyError as exc:  # best effort: the signal itself went out
                 log(logger, "recorder.mark_failed", level=logging.WARNING, error=describe(exc))
         return taken
-

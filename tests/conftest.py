@@ -105,6 +105,21 @@ def facts() -> Iterator[FactRecorder]:
 
 
 @pytest.fixture
+def refusing_database(engine: Engine) -> Iterator[Engine]:
+    """The database refuses to update the conferences given to factory.refuse()
+    (a trigger raising, as a legal hold or another team's constraint would)."""
+    from tests.support.factory import REFUSING_TRIGGER
+
+    with engine.begin() as conn:
+        conn.execute(text(REFUSING_TRIGGER))
+    yield engine
+    with engine.begin() as conn:
+        conn.execute(text("DROP TRIGGER test_refuse ON messenger.conference_sessions"))
+        conn.execute(text("DROP FUNCTION messenger.test_refuse()"))
+        conn.execute(text("DROP TABLE messenger.test_refused"))
+
+
+@pytest.fixture
 def settings(database_url: str) -> Settings:
     """The documented defaults (docs/design.md#configuration) on the session's database."""
     return Settings(database_url=database_url)

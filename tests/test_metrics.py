@@ -72,14 +72,18 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before[k] for k in before if after[k] != before[k]}
 
 
-def test_a_cycle_counts_items_lateness_errors_and_measures_the_backlog(settings, engine):
+def test_a_cycle_counts_items_lateness_errors_and_measures_the_backlog(
+    settings, refusing_database
+):
+    engine = refusing_database
     now = f.db_now(engine)
     with engine.begin() as conn:
         f.conference(conn, as_of=now, idle=timedelta(seconds=100))  # 10 s late
         f.conference(conn, as_of=now, idle=timedelta(seconds=130))  # 40 s late
         f.conference(conn, as_of=now, status="Provisioning", age=timedelta(minutes=3))  # 60 s
         f.conference(conn, as_of=now, idle=timedelta(hours=5), participants=2)  # 1 h late
-        poison = f.conference(conn, as_of=now, idle=timedelta(seconds=100), started_at=None)
+        poison = f.conference(conn, as_of=now, idle=timedelta(seconds=100))
+        f.refuse(conn, poison["id"])  # the database refuses it: poison
         f.conference(conn, as_of=now, idle=timedelta(seconds=30))  # within the grace
     before = snapshot()
     # as_of: the database's clock now; lateness runs on to each batch's commit

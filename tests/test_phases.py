@@ -311,12 +311,16 @@ def test_race_with_end_conference_already_ended_is_not_selected(settings, engine
         assert f.statuses(conn) == {room["id"]: ("Ended", "Normal")}
 
 
-def test_poison_row_is_isolated_and_the_rest_commits(settings, engine, caplog):
+def test_poison_row_is_isolated_and_the_rest_commits(settings, refusing_database, caplog):
+    """Poison: a row the database refuses (docs/design.md#anomalies)."""
+    engine = refusing_database
     caplog.set_level(logging.INFO, "reaper")
     with engine.begin() as conn:
-        poison = f.conference(conn, idle=timedelta(minutes=10), started_at=None)
-        future = f.conference(conn, idle=timedelta(minutes=9), started_at=T0 + timedelta(hours=1))
+        poison = f.conference(conn, idle=timedelta(minutes=10))
+        future = f.conference(conn, idle=timedelta(minutes=9))
         good = f.conference(conn, idle=timedelta(minutes=5))
+        f.refuse(conn, poison["id"])
+        f.refuse(conn, future["id"])
     result = reap(settings, engine)
     assert result["empty_timeout_count"] == 1
     assert result["failed_count"] == 2  # counted once, though stale_live could see them too
@@ -335,11 +339,12 @@ def test_poison_row_is_isolated_and_the_rest_commits(settings, engine, caplog):
     )
 
 
-def test_poison_rows_filling_a_batch_do_not_block_the_rest(database_url, engine):
+def test_poison_rows_filling_a_batch_do_not_block_the_rest(database_url, refusing_database):
+    engine = refusing_database
     settings = Settings(database_url=database_url, batch_size=2)
     with engine.begin() as conn:
         for minutes in (20, 19, 18):
-            f.conference(conn, idle=timedelta(minutes=minutes), started_at=None)
+            f.refuse(conn, f.conference(conn, idle=timedelta(minutes=minutes))["id"])
         good = [f.conference(conn, idle=timedelta(minutes=m)) for m in (5, 4, 3)]
     result = reap(settings, engine)
     assert result["failed_count"] == 3 and result["empty_timeout_count"] == 3

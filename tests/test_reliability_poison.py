@@ -1,7 +1,12 @@
-"""Poison rows: every odd row the schema's constraints allow, mixed into batches
-of good ones. A row the transition cannot take is isolated (left live, logged
-``item.failed``, counted once per cycle); the rest of the batch commits; no
-phase fails; odd but valid rows are reaped normally."""
+"""Odd rows, mixed into batches of good ones (docs/design.md#anomalies).
+
+A room whose started_at gives no duration (missing, later than as_of, infinite,
+out of int range) is still a stuck room: it is closed like any other, with a
+null duration and a ``conference.anomaly`` WARNING. Poison is only a row the
+database itself refuses (here a trigger): the batch is retried in halves until
+that row is alone; it is left live, logged ``item.failed``, counted once per
+cycle; every other row commits; no phase fails. Odd but valid rows are reaped
+normally."""
 
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ from tests.support.invariants import audit_engine
 STALE = {"idle": timedelta(hours=5), "age": timedelta(hours=6), "participants": 2}
 EMPTY = {"idle": timedelta(minutes=5)}
 
-# name -> (kwargs of factory.conference), for both Active phases
-POISON: dict[str, dict[str, Any]] = {
+# name -> (kwargs of factory.conference): closed with durationSeconds null
+ANOMALIES: dict[str, dict[str, Any]] = {
     "started_at NULL": {"started_at": None},
     "started_at after as_of": {"started_at": T0 + timedelta(hours=1)},
     "started_at +infinity": {"started_at": "infinity"},
@@ -74,11 +79,19 @@ ODD: dict[str, tuple[dict[str, Any], Callable[[Connection, dict], None] | None]]
 }
 
 
-def seed(conn: Connection, base: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
-    poison, odd = {}, {}
-    for i, (name, kwargs) in enumerate(POISON.items()):
-        # poison first in the batch order (oldest activity)
-        poison[
+REFUSED = 3  # rows the database refuses, among the oldest of the batch order
+
+def seed(
+    conn: Connection, base: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    refused, anomalies, odd = {}, {}, {}
+    for i in range(REFUSED):
+        # first in the batch order (oldest activity): every batch meets them
+        row = f.conference(conn, **{**base, "idle": base["idle"] + timedelta(seconds=90 - i)})
+        f.refuse(conn, row["id"])
+        refused[row["id"]] = "frozen"
+    for i, (name, kwargs) in enumerate(ANOMALIES.items()):
+        anomalies[
             f.conference(
                 conn, **{**base, **kwargs, "idle": base["idle"] + timedelta(seconds=60 - i)}
             )["id"]
@@ -88,30 +101,32 @@ def seed(conn: Connection, base: dict[str, Any]) -> tuple[dict[str, str], dict[s
         if extra:
             extra(conn, row)
         odd[row["id"]] = name
-    return poison, odd
+    return refused, anomalies, odd
 
 
 @pytest.mark.parametrize("phase", ["empty_room", "stale_live"])
 @pytest.mark.parametrize("batch_size", [100, 2])
-def test_poison_is_isolated_and_the_rest_commits(
-    database_url, engine, caplog, capsys, phase, batch_size
+def test_anomalies_are_closed_and_only_refused_rows_are_poison(
+    database_url, refusing_database, caplog, capsys, phase, batch_size
 ):
+    engine = refusing_database
     caplog.set_level(logging.INFO, "reaper")
     settings = Settings(database_url=database_url, batch_size=batch_size, mass_closure_share=1)
     with engine.begin() as conn:
-        poison, odd = seed(conn, EMPTY if phase == "empty_room" else STALE)
+        refused, anomalies, odd = seed(conn, EMPTY if phase == "empty_room" else STALE)
         good = {
             f.conference(conn, **(EMPTY if phase == "empty_room" else STALE))["id"]
             for _ in range(5)
         }
     key = "empty_timeout_count" if phase == "empty_room" else "stale_timeout_count"
     reason = "EmptyTimeout" if phase == "empty_room" else "Timeout"
+    closing = {**anomalies, **odd, **dict.fromkeys(good, "good")}
 
     for cycle in range(2):  # a second cycle isolates them again, duplicates nothing
         caplog.clear()
         result = Reaper(settings, engine=engine).run_cycle(T0)
-        assert result[key] == (len(odd) + len(good) if cycle == 0 else 0), result
-        assert result["failed_count"] == len(poison), result
+        assert result[key] == (len(closing) if cycle == 0 else 0), result
+        assert result["failed_count"] == len(refused), result
         records = [r for r in caplog.records if getattr(r, "event", None)]
         assert not [r for r in records if r.event == "phase.failed"]
         failed = {
@@ -119,23 +134,48 @@ def test_poison_is_isolated_and_the_rest_commits(
             for r in records
             if r.event == "item.failed"
         }
-        assert set(failed) == set(poison)
+        assert set(failed) == set(refused)
+        assert all("frozen by the legal hold" in error for error in failed.values())
         assert all(r.levelno == logging.ERROR for r in records if r.event == "item.failed")
+        flagged = {
+            r.fields["conference_id"]: r.fields["problem"]
+            for r in records
+            if r.event == "conference.anomaly"
+        }
+        if cycle == 0:
+            assert set(flagged) == set(anomalies)
+            assert all(
+                r.levelno == logging.WARNING for r in records if r.event == "conference.anomaly"
+            )
+            reaped = {r.fields["conference_id"] for r in records if r.event == "conference.reaped"}
+            assert reaped == set(closing)
+        else:
+            assert not flagged
 
     with engine.connect() as conn:
         states = f.statuses(conn)
         big = conn.execute(
             text("SELECT count(*) FROM messenger.conference_participants WHERE left_at IS NULL")
         ).scalar_one()
-    assert {states[i] for i in poison} == {("Active", None)}
-    assert {states[i] for i in [*odd, *good]} == {("Ended", reason)}
+        durations = {i: f.session_row(conn, i)["duration_seconds"] for i in closing}
+        payloads = {
+            e["payload"]["payload"]["conferenceId"]: e["payload"]["payload"]
+            for e in f.outbox(conn)
+        }
+    assert {states[i] for i in refused} == {("Active", None)}
+    assert {states[i] for i in closing} == {("Ended", reason)}
+    for conference_id in anomalies:
+        assert durations[conference_id] is None
+        assert payloads[conference_id]["durationSeconds"] is None
+    assert all(durations[i] is not None for i in [*odd, *good])
     assert big == 0  # every roster row closed, the 2000-row one included
     audit_engine(engine).assert_clean()
     with capsys.disabled():
         print(
-            f"\n[figures] poison {phase} batch={batch_size}: {len(poison)} poison kinds isolated "
-            f"twice, {len(odd)} odd-but-valid kinds + {len(good)} plain rows reaped once; "
-            f"reasons: {sorted(set(failed.values()))}"
+            f"\n[figures] {phase} batch={batch_size}: {len(anomalies)} anomaly kinds closed "
+            f"with a null duration ({sorted(set(flagged.values()) or set(anomalies.values()))}); "
+            f"{len(refused)} rows the database refuses isolated in both cycles; "
+            f"{len(odd)} odd-but-valid kinds + {len(good)} plain rows reaped once"
         )
 
 

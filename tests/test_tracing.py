@@ -34,12 +34,16 @@ def spans() -> Iterator[InMemorySpanExporter]:
     tracing.shutdown()
 
 
-def test_cycle_phase_and_conference_spans_share_the_run_as_trace(settings, engine, spans):
+def test_cycle_phase_and_conference_spans_share_the_run_as_trace(
+    settings, refusing_database, spans
+):
+    engine = refusing_database
     now = f.db_now(engine)
     with engine.begin() as conn:
         empty = f.conference(conn, as_of=now, idle=timedelta(seconds=100))
         stale = f.conference(conn, as_of=now, idle=timedelta(hours=5), participants=1)
-        poison = f.conference(conn, as_of=now, idle=timedelta(seconds=100), started_at=None)
+        poison = f.conference(conn, as_of=now, idle=timedelta(seconds=100))
+        f.refuse(conn, poison["id"])
     result = Reaper(settings, engine=engine).run_cycle()
     run_id = result["run_id"]
     finished = spans.get_finished_spans()

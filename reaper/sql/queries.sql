@@ -124,6 +124,8 @@ WITH visible AS (
       AND s.last_activity_at <= :cutoff
       AND (s.active_participant_count = 0 OR NOT :require_empty)
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
+      -- isolating a row the database refuses: these ids only (NULL: any)
+      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
     ORDER BY s.status, s.last_activity_at
     LIMIT :batch_size
 ),
@@ -134,6 +136,8 @@ claimed AS (
       AND s.last_activity_at <= :cutoff
       AND (s.active_participant_count = 0 OR NOT :require_empty)
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
+      -- isolating a row the database refuses: these ids only (NULL: any)
+      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
     ORDER BY s.status, s.last_activity_at
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
@@ -144,19 +148,22 @@ ended AS (
         end_reason = :end_reason,
         ended_at = :as_of,
         updated_at = :as_of,
-        duration_seconds = floor(extract(epoch FROM CAST(:as_of AS timestamptz) - s.started_at))::int,
+        -- NULL when started_at cannot give one (docs/design.md#anomalies): missing,
+        -- later than as_of, or so old (or infinite) the seconds do not fit an int.
+        -- Such a room is still stuck, and closed like any other.
+        duration_seconds = CASE
+            WHEN s.started_at IS NOT NULL AND isfinite(s.started_at)
+                 AND s.started_at <= :as_of
+                 AND s.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+            THEN floor(extract(epoch FROM CAST(:as_of AS timestamptz) - s.started_at))::int
+        END,
         active_participant_count = 0
     -- The claim locked each row and checked the phase's conditions on its latest
-    -- version; the poison checks run on the claimed copy. The rows are reached
-    -- by key from an array: joined to the CTE, the planner (which cannot
-    -- estimate a CTE) chose a hash join over every candidate, or a nested loop
-    -- quadratic in the batch. tests/test_query_plans.py holds this.
-    WHERE s.id = ANY (ARRAY(
-              SELECT c.id FROM claimed c
-              WHERE c.started_at IS NOT NULL
-                AND c.started_at <= :as_of
-                -- duration_seconds is an int: older (or -infinity) would fail the batch
-                AND c.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'))
+    -- version. The rows are reached by key from an array: joined to the CTE, the
+    -- planner (which cannot estimate a CTE) chose a hash join over every
+    -- candidate, or a nested loop quadratic in the batch. tests/test_query_plans.py
+    -- holds this.
+    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c))
       AND s.status = 'Active'
     RETURNING s.*
 ),
@@ -228,7 +235,13 @@ realtime AS (
 -- right after: a queue wait or a late phase shows in it (the SLO's measure).
 -- ids as text: parsing them into uuid.UUID and back was a tenth of the Python per room
 SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id,
-       e.deal_id::text AS deal_id, e.duration_seconds, NULL::text AS detail,
+       e.deal_id::text AS deal_id, e.duration_seconds,
+       -- an anomaly: why there is no duration (conference.anomaly)
+       CASE WHEN e.duration_seconds IS NULL THEN
+           CASE WHEN e.started_at IS NULL THEN 'started_at is missing'
+                WHEN e.started_at > :as_of THEN 'started_at is later than as_of'
+                ELSE 'started_at too far in the past (duration out of range)' END
+       END AS detail,
        e.tenant_id::text AS tenant_id,
        CASE WHEN isfinite(e.last_activity_at)
             THEN extract(epoch FROM clock_timestamp() - e.last_activity_at
@@ -236,13 +249,9 @@ SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id
        END AS lateness_seconds
 FROM ended e
 UNION ALL
+-- claimed, yet the status guard refused the transition
 SELECT 'poison', c.id::text, c.chat_id::text, c.deal_id::text, NULL,
-       CASE WHEN c.started_at IS NULL THEN 'Active without started_at'
-            WHEN c.started_at > :as_of THEN 'started_at after as_of'
-            WHEN c.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
-                THEN 'started_at too far in the past (duration out of range)'
-            ELSE 'rejected by the status guard' END,
-       c.tenant_id::text, NULL
+       'rejected by the status guard', c.tenant_id::text, NULL
 -- the claimed copy (the locked row's latest version): no second visit to the table
 FROM claimed c
 -- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
@@ -271,6 +280,8 @@ WITH visible AS (
     WHERE s.status = 'Provisioning'
       AND s.created_at <= :cutoff
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
+      -- isolating a row the database refuses: these ids only (NULL: any)
+      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
     ORDER BY s.created_at
     LIMIT :batch_size
 ),
@@ -280,6 +291,8 @@ claimed AS (
     WHERE s.status = 'Provisioning'
       AND s.created_at <= :cutoff
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
+      -- isolating a row the database refuses: these ids only (NULL: any)
+      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
     ORDER BY s.created_at
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
@@ -343,6 +356,19 @@ CROSS JOIN LATERAL (
       AND r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL
     OFFSET 0
 ) r;
+
+-- name: batch_candidates
+-- The rows a phase's next batch would claim (its visible CTE), not locked: a
+-- batch the database refused is retried in halves of these, until the row it
+-- refuses is alone (cycle.Reaper._batch).
+SELECT s.id::text
+FROM messenger.conference_sessions s
+WHERE s.id <> ALL (CAST(:excluded AS uuid[]))
+  AND ((:phase = 'provision_timeout' AND s.status = 'Provisioning' AND s.created_at <= :cutoff)
+    OR (:phase <> 'provision_timeout' AND s.status = 'Active' AND s.last_activity_at <= :cutoff
+        AND (s.active_participant_count = 0 OR NOT :require_empty)))
+ORDER BY CASE WHEN :phase = 'provision_timeout' THEN s.created_at ELSE s.last_activity_at END
+LIMIT :batch_size;
 
 -- name: mark_stop_requested
 UPDATE messenger.call_recordings

@@ -184,3 +184,22 @@ def bulk_conferences(
         ),
         {"status": status, "as_of": as_of, "idle": idle, "count": count},
     )
+
+
+REFUSING_TRIGGER = """
+CREATE TABLE messenger.test_refused (id uuid PRIMARY KEY);
+CREATE FUNCTION messenger.test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM messenger.test_refused r WHERE r.id = NEW.id) THEN
+        RAISE EXCEPTION 'conference % is frozen by the legal hold', NEW.id;
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER test_refuse BEFORE UPDATE ON messenger.conference_sessions
+FOR EACH ROW EXECUTE FUNCTION messenger.test_refuse();
+"""
+
+
+def refuse(conn: Connection, conference_id: str) -> None:
+    """Under the refusing_database fixture: the database refuses this row's update."""
+    conn.execute(text("INSERT INTO messenger.test_refused VALUES (:id)"), {"id": conference_id})
