@@ -51,13 +51,6 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         # finish the batch in flight, then stop: never leave one half-done
         signal.signal(signum, lambda *_: stop.set())
-    if not settings.recorder_url:
-        logs.log(
-            logs.get_logger("cli"),
-            "recorder.disabled",
-            level=30,
-            reason="REAPER_RECORDER_URL is unset: no recording stop signals will be sent",
-        )
     from reaper import tracing
 
     tracing.configure()  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else off
@@ -72,6 +65,13 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         tracing.shutdown()  # flush
         reaper.bus.unsubscribe(CycleFinished, finished.append)
+    if not settings.recorder_url:
+        logs.log(
+            logs.get_logger("cli"),
+            "recorder.disabled",
+            level=30,
+            reason="REAPER_RECORDER_URL is unset: no recording stop signals were sent",
+        )
     _print(result, as_json=args.json)
     end = finished[-1]
     if end.blocked:

@@ -40,11 +40,13 @@ class Worker:
         name: str = "reaper",
         concurrency: int = 2,
         extra_args: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.workdir = workdir
         self.log_path = workdir / f"{name}.log"
         self.env = {**os.environ, **(env or {})}
-        args = [CELERY, "-A", "reaper", "worker", "-l", "INFO", "-n", f"{name}@%h"]
+        # prefix: a command the worker runs under (faketime for a clock that is off)
+        args = [*prefix, CELERY, "-A", "reaper", "worker", "-l", "INFO", "-n", f"{name}@%h"]
         args += ["--concurrency", str(concurrency), "--without-gossip", "--without-mingle"]
         if beat:
             args += ["-B", "-s", str(workdir / f"{name}-beat-schedule")]
