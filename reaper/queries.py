@@ -222,6 +222,28 @@ class Queries:
     def mark_stop_requested(self, recording_ids: list[str]) -> int:
         return _run(self.conn, "mark_stop_requested", recording_ids=recording_ids).rowcount
 
+    def mark_stop_failed(
+        self, recording_ids: list[str], *, backoff_initial_s: float, backoff_max_s: float
+    ) -> int:
+        return _run(
+            self.conn,
+            "mark_stop_failed",
+            recording_ids=recording_ids,
+            backoff_initial_s=backoff_initial_s,
+            backoff_max_s=backoff_max_s,
+        ).rowcount
+
+    def stops_due(self, *, window_s: float, first_after_s: float, limit: int) -> list[Row]:
+        return list(
+            _run(
+                self.conn,
+                "stops_due",
+                window_s=window_s,
+                first_after_s=first_after_s,
+                limit=limit,
+            )
+        )
+
     # -- the outbox relay ----------------------------------------------------
 
     def relay_planner(self) -> None:

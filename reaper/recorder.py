@@ -31,7 +31,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from reaper import budgets
 from reaper.db import transaction
 from reaper.errors import describe
-from reaper.events import BatchCommitted, Bus, StopSignalsSent
+from reaper.events import BatchCommitted, Bus, CycleFinished, StopSignalsSent
 from reaper.logs import get_logger, log
 
 logger = get_logger("recorder")
@@ -130,29 +130,77 @@ class RecorderClient:
 
 
 class StopSignal:
-    """Subscriber: after a batch commits, each reaped room's running recording
-    gets one stop signal; ``stop_requested_at`` records those the recorder took,
-    so no later cycle sends them again."""
+    """Subscriber: after a batch commits, each reaped room's running recording gets
+    one stop signal; ``stop_requested_at`` records those the recorder took, so no
+    later cycle sends them again. A signal not taken is retried by the sweep after
+    every cycle, with back-off, for REAPER_RECORDER_RETRY_WINDOW after the close:
+    an orphaned recording is what the media stack pays for."""
 
-    def __init__(self, client: RecorderClient, engine: Engine, bus: Bus) -> None:
+    # The first retry waits this many recorder timeouts, each next one twice as
+    # long, up to the cap.
+    BACKOFF_TIMEOUTS = 5
+    BACKOFF_MAX = timedelta(minutes=2)
+    SWEEP_LIMIT = 500
+
+    def __init__(
+        self,
+        client: RecorderClient,
+        engine: Engine,
+        bus: Bus,
+        retry_window: timedelta = timedelta(minutes=15),
+    ) -> None:
         self.client = client
         self.engine = engine
         self.bus = bus
+        self.retry_window = retry_window
+        self.backoff_initial = max(1.0, self.BACKOFF_TIMEOUTS * client.timeout)
 
     def subscribe(self) -> None:
         self.bus.subscribe(BatchCommitted, self.on_batch)
+        self.bus.subscribe(CycleFinished, self.on_cycle)
 
     def on_batch(self, fact: BatchCommitted) -> None:
         if fact.stops:
             self.send(list(fact.stops))
 
+    def on_cycle(self, fact: CycleFinished) -> None:
+        if fact.result.get("skipped"):
+            return
+        self.sweep()
+
+    def sweep(self) -> list[StopRequest]:
+        """Send again what is due; the signals the recorder took."""
+        try:
+            with transaction(self.engine, budgets.quick()) as queries:
+                due = queries.stops_due(
+                    window_s=self.retry_window.total_seconds(),
+                    first_after_s=self.backoff_initial,
+                    limit=self.SWEEP_LIMIT,
+                )
+        except SQLAlchemyError as exc:
+            log(logger, "recorder.sweep_failed", level=logging.WARNING, error=describe(exc))
+            return []
+        if not due:
+            return []
+        requests = [StopRequest(r.recording_id, r.conference_id, r.end_reason) for r in due]
+        taken = self.send(requests)
+        log(logger, "recorder.retried", due=len(requests), taken=len(taken))
+        return taken
+
     def send(self, requests: list[StopRequest]) -> list[StopRequest]:
         taken = self.client.stop_all(requests)
         self.bus.emit(StopSignalsSent(requested=len(requests), taken=len(taken)))
-        if taken:
-            try:
-                with transaction(self.engine, budgets.quick()) as queries:
+        refused = [r.recording_id for r in requests if r not in taken]
+        try:
+            with transaction(self.engine, budgets.quick()) as queries:
+                if taken:
                     queries.mark_stop_requested([stop.recording_id for stop in taken])
-            except SQLAlchemyError as exc:  # best effort: the signal itself went out
-                log(logger, "recorder.mark_failed", level=logging.WARNING, error=describe(exc))
+                if refused:
+                    queries.mark_stop_failed(
+                        refused,
+                        backoff_initial_s=self.backoff_initial,
+                        backoff_max_s=self.BACKOFF_MAX.total_seconds(),
+                    )
+        except SQLAlchemyError as exc:  # best effort: the signals themselves went out
+            log(logger, "recorder.mark_failed", level=logging.WARNING, error=describe(exc))
         return taken

@@ -36,7 +36,7 @@ def install(settings: Settings, bus: Bus = process_bus, *, engine: Engine | None
     bus.subscribe(CycleFinished, Gauges(engine, settings, bus))
     if settings.recorder_url:
         client = RecorderClient(settings.recorder_url, settings.recorder_timeout)
-        StopSignal(client, engine, bus).subscribe()
+        StopSignal(client, engine, bus, settings.recorder_retry_window).subscribe()
     return bus
 
 

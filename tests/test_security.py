@@ -117,7 +117,7 @@ EXPECTED_UPDATE_COLUMNS = {
         "active_participant_count",
     },
     "conference_participants": {"left_at"},
-    "call_recordings": {"stop_requested_at"},
+    "call_recordings": {"stop_requested_at", "stop_attempts", "stop_next_attempt_at"},
     "integration_outbox": {
         "published_at",
         "attempts",

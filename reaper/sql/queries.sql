@@ -375,6 +375,32 @@ UPDATE messenger.call_recordings
 SET stop_requested_at = clock_timestamp()
 WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
 
+-- name: mark_stop_failed
+-- A stop signal the recorder did not take: the sweep may send the next one after
+-- an exponential back-off.
+UPDATE messenger.call_recordings
+SET stop_attempts = stop_attempts + 1,
+    stop_next_attempt_at = clock_timestamp() + make_interval(secs => least(
+        CAST(:backoff_max_s AS float8),
+        CAST(:backoff_initial_s AS float8) * power(2, least(stop_attempts, 30))))
+WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
+
+-- name: stops_due
+-- The sweep: recordings still running on rooms the reaper ended within the
+-- retry window, whose stop signal was not taken, due again (never tried: some
+-- time after the close, when the first signal has had its chance).
+SELECT r.id::text AS recording_id, s.id::text AS conference_id, s.end_reason
+FROM messenger.conference_sessions s
+JOIN messenger.call_recordings r ON r.conference_id = s.id
+WHERE s.end_reason IN ('EmptyTimeout', 'Timeout', 'Error')
+  AND s.ended_at >= clock_timestamp() - make_interval(secs => :window_s)
+  AND r.status IN ('Pending', 'Recording', 'Uploading')
+  AND r.stop_requested_at IS NULL
+  AND coalesce(r.stop_next_attempt_at, s.ended_at + make_interval(secs => :first_after_s))
+      <= clock_timestamp()
+ORDER BY s.ended_at, r.id
+LIMIT :limit;
+
 -- name: run_lock_holder
 -- Backend pid holding the single-runner lock, if any (bigint keys are split
 -- into classid = high 32 bits, objid = low 32 bits).

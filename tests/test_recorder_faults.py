@@ -1,0 +1,270 @@
+"""The recorder can never break a cycle (docs/design.md#the-recorder-stop-signal).
+
+A fake recorder on a raw socket misbehaves in every way a peer can: garbage
+instead of HTTP, a reset, silence, a redirect, a truncated or a huge body, TLS
+asked of a plain server. Each time the cycle completes, the room stays ended,
+the failure is logged and counted; a signal not taken is retried by the sweep,
+with back-off, within the retry window. Any other unexpected error in a phase
+is ``phase.failed``, counted, and the cycle still finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import text
+
+from reaper import cycle as cycle_module
+from reaper import metrics
+from reaper.cycle import Reaper
+from reaper.events import CycleFinished, PhaseFailed
+from tests.support import factory as f
+from tests.support.facts import FactRecorder, log_events, wired_bus
+from tests.support.processes import run_cli
+
+FAILED_METRIC = "messenger_conf_reaper_recorder_stop_failed_total"
+
+OK = b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+ANSWERS = {
+    "garbage": b"GARBAGE\r\n",
+    "redirect": (
+        b"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:1/x\r\nContent-Length: 0\r\n\r\n"
+    ),
+    "truncated": b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nonly a little",
+    "bad-status": b"HTTP/1.1 abc Nope\r\n\r\n",
+    "endless-header": b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 200_000 + b"\r\n\r\n",
+}
+
+
+@dataclass
+class RawRecorder:
+    """Answers each connection as ``mode`` says; counts the requests it saw."""
+
+    mode: str
+    port: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    sock: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.mode == "tls" else "http"
+        return f"{scheme}://127.0.0.1:{self.port}/media"
+
+    def serve(self) -> None:
+        assert self.sock is not None
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def answer(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            try:
+                self.requests.append(conn.recv(65536))
+                if self.mode == "reset":  # RST instead of an answer
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                elif self.mode == "silent":
+                    time.sleep(3)
+                elif self.mode == "huge":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 104857600\r\n\r\n")
+                    chunk = b"x" * 65536
+                    for _ in range(1600):  # 100 MiB, if anyone read it all
+                        conn.sendall(chunk)
+                elif self.mode == "ok":
+                    conn.sendall(OK)
+                elif self.mode != "tls":  # tls: the plain bytes the client sent are garbage
+                    conn.sendall(ANSWERS[self.mode])
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def raw_recorder(request) -> Iterator[RawRecorder]:
+    recorder = RawRecorder(request.param)
+    recorder.sock = socket.socket()
+    recorder.sock.bind(("127.0.0.1", 0))
+    recorder.sock.listen(64)
+    recorder.port = recorder.sock.getsockname()[1]
+    threading.Thread(target=recorder.serve, daemon=True).start()
+    yield recorder
+    recorder.sock.close()
+
+
+def seed_recorded_room(engine, as_of=None):
+    with engine.begin() as conn:
+        room = f.conference(conn, as_of=as_of or f.T0, idle=timedelta(minutes=5))
+        recording = f.recording(conn, room["id"], status="Recording")
+    return room, recording
+
+
+MODES = ["garbage", "reset", "silent", "redirect", "truncated", "bad-status", "endless-header",
+         "tls", "huge"]  # fmt: skip
+
+
+@pytest.mark.parametrize("raw_recorder", MODES, indirect=True)
+def test_nothing_the_recorder_does_escapes_the_stop_signal(settings, engine, raw_recorder, caplog):
+    caplog.set_level("INFO", "reaper")
+    settings = settings.model_copy(
+        update={"recorder_url": raw_recorder.url, "recorder_timeout": timedelta(seconds=1)}
+    )
+    room, recording = seed_recorded_room(engine)
+    bus = wired_bus(settings, engine)
+    facts = FactRecorder(bus, CycleFinished, PhaseFailed)
+    before = metrics.sample(FAILED_METRIC)
+    started = time.monotonic()
+    result = Reaper(settings, engine=engine, bus=bus).run_cycle(f.T0)
+    took = time.monotonic() - started
+    assert result["empty_timeout_count"] == 1 and result["skipped"] is False
+    assert not facts.of(PhaseFailed)
+    [end] = facts.of(CycleFinished)
+    assert end.errors == 0
+    with engine.connect() as conn:
+        assert f.session_row(conn, room["id"])["status"] == "Ended"
+    if raw_recorder.mode in ("huge", "truncated"):
+        # a 200 is a signal taken; the body is not read to its end (nor waited for)
+        assert metrics.sample(FAILED_METRIC) == before
+        assert took < 5, took
+        return
+    assert metrics.sample(FAILED_METRIC) == before + 1
+    [failed] = log_events(caplog, "recorder.stop_failed")
+    assert failed["recording_id"] == recording["id"]
+    assert took < 2 * 1 + 2, took  # the signal's budget: two recorder timeouts
+
+
+@pytest.mark.parametrize("raw_recorder", ["garbage"], indirect=True)
+def test_reap_once_completes_whatever_the_recorder_answers(engine, raw_recorder):
+    """Measured before: GARBAGE made stop_all raise BadStatusLine; the phase ended
+    after its first batch and `reaper reap --once` exited with a traceback."""
+    now = f.db_now(engine)
+    with engine.begin() as conn:
+        rooms = [f.conference(conn, as_of=now, idle=timedelta(minutes=5)) for _ in range(3)]
+        for room in rooms:
+            f.recording(conn, room["id"], status="Recording")
+        stuck = f.conference(conn, as_of=now, status="Provisioning", age=timedelta(minutes=5))
+    done = run_cli("reap", "--once", "--json", env={"REAPER_RECORDER_URL": raw_recorder.url,
+                                                    "REAPER_BATCH_SIZE": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    result = json.loads(done.stdout)
+    assert (result["empty_timeout_count"], result["provision_failed_count"]) == (3, 1)
+    assert done.stderr.count('"event": "recorder.stop_failed"') == 3
+    assert '"event": "cycle.completed"' in done.stderr
+    with engine.connect() as conn:
+        assert f.session_row(conn, stuck["id"])["status"] == "Failed"
+
+
+def test_an_unexpected_error_in_a_phase_is_counted_and_the_cycle_goes_on(
+    settings, engine, facts, monkeypatch
+):
+    now = f.db_now(engine)
+    with engine.begin() as conn:
+        empty = f.conference(conn, as_of=now, idle=timedelta(minutes=5))
+        stuck = f.conference(conn, as_of=now, status="Provisioning", age=timedelta(minutes=5))
+        stale = f.conference(conn, as_of=now, idle=timedelta(hours=5), participants=1)
+    real = cycle_module.reap_batch
+
+    def broken(queries, phase, *args, **kwargs):
+        if phase.name == "provision_timeout":
+            raise KeyError("a bug, not the database")
+        return real(queries, phase, *args, **kwargs)
+
+    monkeypatch.setattr(cycle_module, "reap_batch", broken)
+    before = metrics.sample("messenger_conf_reaper_errors_total")
+    result = Reaper(settings, engine=engine).run_cycle()
+    assert (result["empty_timeout_count"], result["stale_timeout_count"]) == (1, 1)
+    assert result["provision_failed_count"] == 0
+    [failed] = facts.of(PhaseFailed)
+    assert failed.phase == "provision_timeout" and failed.error.startswith("KeyError")
+    [end] = facts.of(CycleFinished)
+    assert end.errors == 1
+    assert metrics.sample("messenger_conf_reaper_errors_total") == before + 1
+    assert metrics.sample("messenger_conf_reaper_run_total", {"result": "failed"}) >= 1
+    with engine.connect() as conn:
+        assert f.statuses(conn)[stuck["id"]] == ("Provisioning", None)
+        assert f.statuses(conn)[empty["id"]][0] == f.statuses(conn)[stale["id"]][0] == "Ended"
+
+
+class FlakyRecorder:
+    """An HTTP recorder that fails the first ``failures`` calls with 500."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: list[float] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/media"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                self.calls.append(time.monotonic())
+                if len(self.calls) <= self.failures:
+                    conn.sendall(b"HTTP/1.1 500 Oops\r\nContent-Length: 0\r\n\r\n")
+                else:
+                    conn.sendall(OK)
+
+
+def recording_row(engine, recording_id: str) -> dict:
+    with engine.connect() as conn:
+        return dict(
+            conn.execute(
+                text("SELECT * FROM messenger.call_recordings WHERE id = :id"), {"id": recording_id}
+            ).mappings().one()
+        )  # fmt: skip
+
+
+def test_a_signal_not_taken_is_retried_with_backoff_within_the_window(engine):
+    recorder = FlakyRecorder(failures=2)
+    # back-off: 5 recorder timeouts (2.5 s), doubling
+    env = {"REAPER_RECORDER_URL": recorder.url, "REAPER_RECORDER_TIMEOUT": "0.5"}
+    now = f.db_now(engine)
+    _, recording = seed_recorded_room(engine, as_of=now)
+    with engine.begin() as conn:  # closed 20 min ago: outside the 15 min window
+        old, old_recording = f.conference(conn, as_of=now - timedelta(minutes=20)), None
+        conn.execute(
+            text("UPDATE messenger.conference_sessions SET status = 'Ended',"
+                 " end_reason = 'EmptyTimeout', ended_at = :t WHERE id = :id"),
+            {"t": now - timedelta(minutes=20), "id": old["id"]},
+        )  # fmt: skip
+        old_recording = f.recording(conn, old["id"], status="Recording")
+
+    first = run_cli("reap", "--once", env=env)  # the signal after the commit: refused
+    assert first.returncode == 0, first.stderr
+    row = recording_row(engine, recording["id"])
+    assert row["stop_requested_at"] is None and row["stop_attempts"] == 1
+    assert len(recorder.calls) == 1
+
+    run_cli("reap", "--once", env=env)  # not due yet: no call
+    assert len(recorder.calls) == 1
+    deadline = time.monotonic() + 20
+    while recording_row(engine, recording["id"])["stop_requested_at"] is None:
+        assert time.monotonic() < deadline, "never retried"
+        time.sleep(0.3)
+        retried = run_cli("reap", "--once", env=env)
+        assert retried.returncode == 0, retried.stderr
+    row = recording_row(engine, recording["id"])
+    assert row["stop_attempts"] == 2 and len(recorder.calls) == 3  # 500, 500, then taken
+    gaps = [b - a for a, b in zip(recorder.calls, recorder.calls[1:], strict=False)]
+    assert gaps[0] >= 2.5 and gaps[1] >= 5.0, gaps  # 2.5 s, then 5 s: exponential
+    # outside the window: never tried
+    assert recording_row(engine, old_recording["id"])["stop_attempts"] == 0
+    print(f"\n[figures] stop signal refused twice, retried after {gaps[0]:.1f}s and "
+          f"{gaps[1]:.1f}s (back-off 2.5 s doubling), taken on the third call")  # fmt: skip
