@@ -128,6 +128,86 @@ def cmd_plan(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse(message: str) -> int:
+    print(f"reaper: {message}", file=sys.stderr)
+    return 2
+
+
+def _controls(settings: Settings) -> Any:
+    from reaper.control import Controls
+    from reaper.db import engine_for
+
+    return Controls(engine_for(settings.database_url), settings)
+
+
+def cmd_pause(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper.clock import rfc3339
+    from reaper.config import parse_duration
+
+    try:
+        for_ = parse_duration(args.for_) if args.for_ else None
+    except ValueError as exc:
+        return _refuse(f"--for: {exc}")
+    if not args.reason.strip():
+        return _refuse("--reason: a pause needs a reason")
+    try:
+        paused = _controls(settings).pause(args.phase and [args.phase], args.reason, for_)
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    for p in paused:
+        until = f"until {rfc3339(p.paused_until)}" if p.paused_until else "until resumed"
+        print(f"paused {p.phase} {until} (by {p.paused_by}): {p.reason}")
+    return 0
+
+
+def cmd_resume(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        resumed = _controls(settings).resume(args.phase and [args.phase])
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    for r in resumed:
+        print(f"resumed {r.phase} (it was paused: {r.reason})")
+    if not resumed:
+        print("nothing was paused")
+    return 0
+
+
+def cmd_outbox_parked(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper.db import engine_for
+    from reaper.overview import format_parked, parked
+
+    try:
+        rows = parked(engine_for(settings.database_url), args.limit)
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    print(json.dumps(rows, sort_keys=True) if args.json else format_parked(rows))
+    return 0
+
+
+def cmd_outbox_requeue(settings: Settings, args: argparse.Namespace) -> int:
+    import uuid
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if args.event_id is not None:
+        try:
+            uuid.UUID(args.event_id)
+        except ValueError:
+            return _refuse(f"--event-id: {args.event_id!r} is not a UUID")
+    try:
+        count = _controls(settings).requeue(args.event_id)
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    print(f"requeued {count} parked row{'' if count == 1 else 's'}")
+    return 0 if count or args.all else 1
+
+
 def _print(data: dict[str, Any], *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(data, sort_keys=True))
@@ -172,6 +252,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=int, default=100, help="conferences listed per phase (default 100)"
     )
     plan.set_defaults(handler=cmd_plan)
+
+    phases = ("empty_room", "provision_timeout", "stale_live")
+    pause = sub.add_parser(
+        "pause", help="stop a phase (all without --phase) changing anything, on every replica"
+    )
+    pause.add_argument("--phase", choices=phases, help="one phase (default: all three)")
+    pause.add_argument(
+        "--for", dest="for_", metavar="DURATION", help="end by itself after this (90, PT2H)"
+    )
+    pause.add_argument("--reason", required=True, help="why (shown by reaper status)")
+    pause.set_defaults(handler=cmd_pause)
+
+    resume = sub.add_parser("resume", help="end a pause (all phases without --phase)")
+    resume.add_argument("--phase", choices=phases, help="one phase (default: all three)")
+    resume.set_defaults(handler=cmd_resume)
+
+    outbox = sub.add_parser("outbox", help="integration events Kafka refused: list, requeue")
+    outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
+    parked_cmd = outbox_sub.add_parser("parked", help="list the parked rows")
+    parked_cmd.add_argument("--json", action="store_true", help="print JSON")
+    parked_cmd.add_argument("--limit", type=int, default=1000, help="at most this many")
+    parked_cmd.set_defaults(handler=cmd_outbox_parked)
+    requeue = outbox_sub.add_parser("requeue", help="parked rows back to pending")
+    which = requeue.add_mutually_exclusive_group(required=True)
+    which.add_argument("--event-id", help="one row, by its eventId")
+    which.add_argument("--all", action="store_true", help="every parked row")
+    requeue.set_defaults(handler=cmd_outbox_requeue)
     return parser
 
 

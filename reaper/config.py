@@ -160,6 +160,9 @@ class Settings(BaseSettings):
     # A presence outage looks exactly like that. 1 turns the guard off.
     mass_closure_share: float = Field(0.5, gt=0, le=1)
     mass_closure_floor: int = Field(20, ge=0, le=1_000_000)
+    # Who an operator command says it was (pause, resume, policy, requeue); unset:
+    # the OS user running it.
+    operator: str | None = Field(None, min_length=1, max_length=200)
 
     @model_validator(mode="after")
     def _coherent(self) -> Settings:
@@ -187,6 +190,17 @@ class Settings(BaseSettings):
                 f"({self.lock_ttl} <= {self.max_run_duration})"
             )
         return self
+
+
+def parse_duration(value: str) -> timedelta:
+    """A duration as the environment takes it (seconds or ISO 8601), positive."""
+    from pydantic import TypeAdapter
+
+    try:
+        return TypeAdapter(Duration).validate_python(value)
+    except ValidationError as exc:
+        message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise ValueError(f"{value!r} {message}") from None
 
 
 class ConfigError(Exception):

@@ -187,7 +187,13 @@ class Reaper:
         before = dict(run.counts)
         fact: PhaseCompleted | PhaseFailed
         try:
-            if phase.guarded and self._mass_closure_blocked(phase, run):
+            if claim.paused is not None:  # an operator's pause: change nothing
+                run.paused.append(phase.name)
+                fact = PhaseCompleted(
+                    run_id, phase.name, 0, 0, 0, 0, False, started_ns, time.time_ns(),
+                    paused=claim.paused,
+                )  # fmt: skip
+            elif phase.guarded and self._mass_closure_blocked(phase, run):
                 run.blocked.append(phase.name)
                 fact = PhaseCompleted(
                     run_id, phase.name, 0, 0, 0, 0, False, started_ns, time.time_ns(), blocked=True
@@ -208,7 +214,9 @@ class Reaper:
         if lost is not None:
             self.bus.emit(LockLost(run_id, phase.name, lost))
         self.bus.emit(fact)
-        return phase_result(run_id, run, before, run.counts)
+        return phase_result(
+            run_id, run, before, run.counts, [phase.name] if claim.paused is not None else []
+        )
 
     def _mass_closure_blocked(self, phase: Phase, run: Run) -> bool:
         """True when this phase would end too many live rooms at once (then it ends none).
@@ -358,7 +366,11 @@ def refused_by_database(exc: DBAPIError) -> bool:
 
 
 def phase_result(
-    run_id: str, run: Run | None, before: dict[str, int], after: dict[str, int]
+    run_id: str,
+    run: Run | None,
+    before: dict[str, int],
+    after: dict[str, int],
+    paused: list[str] | None = None,
 ) -> dict[str, Any]:
     """A phase task's result: the cycle's result keys, counting that phase alone;
     ``skipped`` when the phase found the run no longer its cycle's."""
@@ -367,5 +379,5 @@ def phase_result(
         "as_of": rfc3339(run.as_of) if run else None,
         "skipped": run is None,
         **{key: after.get(key, 0) - before.get(key, 0) for key in COUNT_KEYS},
-        "paused": [],
+        "paused": paused or [],
     }

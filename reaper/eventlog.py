@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from reaper.clock import rfc3339
+from reaper.clock import rfc3339, rfc3339_or_none
 from reaper.events import (
     BatchCommitted,
     Bus,
@@ -23,9 +23,12 @@ from reaper.events import (
     CycleTakenOver,
     LockLost,
     MassClosure,
+    OutboxRequeued,
+    Paused,
     PhaseCompleted,
     PhaseFailed,
     RelayPassCompleted,
+    Resumed,
 )
 from reaper.logs import get_logger, log
 
@@ -56,6 +59,9 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(PhaseFailed, phase_failed)
     bus.subscribe(LockLost, lock_lost)
     bus.subscribe(RelayPassCompleted, relay_pass)
+    bus.subscribe(Paused, paused)
+    bus.subscribe(Resumed, resumed)
+    bus.subscribe(OutboxRequeued, outbox_requeued)
 
 
 def cycle_started(fact: CycleStarted) -> None:
@@ -175,6 +181,9 @@ def mass_closure(fact: MassClosure) -> None:
 
 
 def phase_completed(fact: PhaseCompleted) -> None:
+    if fact.paused is not None:
+        log(logger, "phase.paused", run_id=fact.run_id, phase=fact.phase, reason=fact.paused)
+        return
     if fact.lost:
         log(
             logger,
@@ -233,4 +242,42 @@ def relay_pass(fact: RelayPassCompleted) -> None:
         kafka_unavailable=fact.kafka_unavailable,
         timed_out=fact.timed_out,
         duration_ms=fact.duration_ms,
+    )
+
+
+control_logger = get_logger("control")
+
+
+def paused(fact: Paused) -> None:
+    log(
+        control_logger,
+        "control.paused",
+        level=logging.WARNING,
+        phase=fact.phase,
+        reason=fact.reason,
+        paused_at=rfc3339(fact.paused_at),
+        paused_until=rfc3339_or_none(fact.paused_until),
+        paused_by=fact.paused_by,
+    )
+
+
+def resumed(fact: Resumed) -> None:
+    log(
+        control_logger,
+        "control.resumed",
+        level=logging.WARNING,
+        phase=fact.phase,
+        reason=fact.reason,
+        resumed_by=fact.resumed_by,
+    )
+
+
+def outbox_requeued(fact: OutboxRequeued) -> None:
+    log(
+        control_logger,
+        "outbox.requeued",
+        level=logging.WARNING,
+        count=fact.count,
+        event_id=fact.event_id,
+        requeued_by=fact.requeued_by,
     )

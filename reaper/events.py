@@ -200,6 +200,7 @@ class PhaseCompleted:
     ended_ns: int
     blocked: bool = False  # the mass-closure guard stopped it
     lost: bool = False  # the run was no longer this cycle's: nothing done
+    paused: str | None = None  # an operator's pause left it alone: why
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +243,33 @@ class GaugesMeasured:
     outbox_pending: int
     outbox_oldest_pending_age_seconds: float
     outbox_parked: int
+    paused: tuple[str, ...]  # the phases paused now
+
+
+# -- the operator ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Paused:
+    phase: str
+    reason: str
+    paused_at: datetime
+    paused_until: datetime | None
+    paused_by: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    phase: str
+    reason: str  # of the pause that ended
+    resumed_by: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRequeued:
+    count: int
+    event_id: str | None  # None: all parked rows
+    requeued_by: str
 
 
 # -- the relay --------------------------------------------------------------------

@@ -87,6 +87,7 @@ EXPORTED = (
     "messenger_outbox_pending",
     "messenger_outbox_oldest_pending_age_seconds",
     "messenger_outbox_parked",
+    "messenger_conf_reaper_paused",
     "messenger_conf_reaper_clock_skew_seconds",
     "messenger_conf_reaper_last_cycle_timestamp_seconds",
     "messenger_outbox_last_relay_timestamp_seconds",
@@ -176,6 +177,13 @@ class _Metrics:
             multiprocess_mode="mostrecent",
             registry=r,
         )
+        self.paused = Gauge(
+            "messenger_conf_reaper_paused",
+            "1 while an operator's pause keeps the phase from changing anything.",
+            ["phase"],
+            multiprocess_mode="mostrecent",
+            registry=r,
+        )
         self.clock_skew = Gauge(
             "messenger_conf_reaper_clock_skew_seconds",
             "The worker's clock minus the database's, measured at the start of each cycle.",
@@ -203,6 +211,7 @@ class _Metrics:
             self.items.labels(outcome=outcome)
         for phase in PHASE_NAMES:
             self.lateness.labels(phase=phase)
+            self.paused.labels(phase=phase)
 
 
 _lock = threading.Lock()
@@ -373,6 +382,8 @@ def _stop_signals(fact: StopSignalsSent) -> None:
 def _gauges(fact: GaugesMeasured) -> None:
     m = _m()
     m.backlog.set(fact.active_backlog)
+    for phase in PHASE_NAMES:
+        m.paused.labels(phase=phase).set(1 if phase in fact.paused else 0)
     _set_outbox(m, fact.outbox_pending, fact.outbox_oldest_pending_age_seconds,
                 fact.outbox_parked)  # fmt: skip
 

@@ -88,10 +88,11 @@ def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
         with transaction(engine, budgets.read()) as queries:
             result = census(queries, settings, queries.database_clock())
             pending, oldest, parked = queries.outbox_pending_stats()
+            paused = tuple(row.phase for row in queries.active_pauses())
     except SQLAlchemyError as exc:
         log(logger, "metrics.refresh_failed", level=30, error=describe(exc))
         return None
-    return GaugesMeasured(result.backlog, pending, oldest, parked)
+    return GaugesMeasured(result.backlog, pending, oldest, parked, paused)
 
 
 # -- reaper status -----------------------------------------------------------
@@ -105,6 +106,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
         pid = queries.run_lock_holder()
         activity = queries.backend_activity(pid) if pid is not None else None
         runs = queries.last_runs()
+        pauses = queries.active_pauses()
     lock: dict[str, Any] = {"held": pid is not None, "holder_pid": pid}
     if activity is not None:
         lock["holder"] = {
@@ -133,6 +135,16 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
         },
         "lock": lock,
         "run": _runs(runs),
+        "paused": [
+            {
+                "phase": p.phase,
+                "reason": p.reason,
+                "since": rfc3339(p.paused_at),
+                "until": rfc3339(p.paused_until),
+                "by": p.paused_by,
+            }
+            for p in pauses
+        ],
     }
 
 
@@ -189,6 +201,12 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"{'run lock':<18} held by backend pid {pid} ({detail}{since})")
     else:
         lines.append(f"{'run lock':<18} free")
+    for pause in data["paused"]:
+        until = f"until {pause['until']}" if pause["until"] else "until resumed"
+        lines.append(
+            f"{'PAUSED':<18} {pause['phase']} since {pause['since']} {until}, by {pause['by']}:"
+            f" {pause['reason']}"
+        )
     run = data["run"]
     if run["current"]:
         current = run["current"]
@@ -289,4 +307,36 @@ def format_plan(data: dict[str, Any]) -> str:
         if p["truncated"]:
             lines.append(f"  ... {p['eligible'] - len(p['conferences'])} more (--limit)")
     lines.append(f"\ntotal: {data['would_close']} would close")
+    return "\n".join(lines)
+
+
+# -- reaper outbox parked ----------------------------------------------------
+
+
+def parked(engine: Engine, limit: int) -> list[dict[str, Any]]:
+    with transaction(engine, budgets.read()) as queries:
+        rows = queries.parked_outbox(limit)
+    return [
+        {
+            "event_id": r.event_id,
+            "message_key": r.message_key,
+            "topic": r.topic,
+            "attempts": r.attempts,
+            "error": r.last_error,
+            "parked_at": rfc3339(r.parked_at),
+            "created_at": rfc3339(r.created_at),
+        }
+        for r in rows
+    ]
+
+
+def format_parked(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no parked rows"
+    lines = [f"{len(rows)} parked row(s): requeue with `reaper outbox requeue --event-id ID`"]
+    for r in rows:
+        lines.append(
+            f"  {r['event_id']}  key {r['message_key']}  attempts {r['attempts']}"
+            f"  parked {r['parked_at']}: {r['error']}"
+        )
     return "\n".join(lines)

@@ -342,3 +342,20 @@ class Queries:
 
     def backend_activity(self, pid: int) -> Row | None:
         return _run(self.conn, "backend_activity", pid=pid).one_or_none()
+
+    # -- operator controls ------------------------------------------------------
+
+    def active_pauses(self) -> list[Row]:
+        return list(_run(self.conn, "active_pauses"))
+
+    def phase_pause(self, phase: str) -> str | None:
+        """The reason the phase is paused now, or None."""
+        return _run(self.conn, "phase_pause", phase=phase).scalar()
+
+    def pause_phase(self, phase: str, reason: str, for_s: float | None, by: str) -> Row:
+        return _run(
+            self.conn, "pause_phase", phase=phase, reason=reason, for_s=for_s, by=by
+        ).one()
+
+    def resume_phases(self, phases: list[str]) -> list[Row]:
+        return list(_run(self.conn, "resume_phases", phases=phases))

@@ -175,11 +175,15 @@ class PhaseClaim:
     session (the phase outlived REAPER_LOCK_TTL).
     """
 
-    def __init__(self, conn: Connection, tx: RootTransaction, run: Run, ttl_s: float) -> None:
+    def __init__(
+        self, conn: Connection, tx: RootTransaction, run: Run, ttl_s: float, paused: str | None
+    ) -> None:
         self.conn = conn
         self.transaction = tx
         self.run = run
         self.ttl_s = ttl_s
+        # why an operator paused this phase (read under the lock), or None
+        self.paused = paused
 
     def release(self) -> str | None:
         run = self.run
@@ -281,7 +285,7 @@ class Runs:
                 tx.rollback()
                 conn.close()
                 return None
-            return PhaseClaim(conn, tx, Run.from_row(row), self.ttl_s)
+            return PhaseClaim(conn, tx, Run.from_row(row), self.ttl_s, queries.phase_pause(phase))
         except BaseException:
             conn.close()
             raise

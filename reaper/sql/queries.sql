@@ -628,3 +628,33 @@ SELECT a.pid, a.application_name, host(a.client_addr) AS client_addr, a.state,
        extract(epoch FROM clock_timestamp() - a.xact_start) AS xact_age_seconds
 FROM pg_stat_activity a
 WHERE a.pid = :pid;
+
+-- name: active_pauses
+-- The pauses in force: no end, or an end still to come.
+SELECT phase, reason, paused_at, paused_until, paused_by
+FROM messenger.reaper_pauses
+WHERE paused_until IS NULL OR paused_until > clock_timestamp()
+ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], phase);
+
+-- name: phase_pause
+-- Read by a phase under the run's lock: is it paused now, and why.
+SELECT reason
+FROM messenger.reaper_pauses
+WHERE phase = :phase AND (paused_until IS NULL OR paused_until > clock_timestamp());
+
+-- name: pause_phase
+-- A new pause replaces the phase's earlier one (a pause that ended by itself too).
+INSERT INTO messenger.reaper_pauses AS p (phase, reason, paused_at, paused_until, paused_by)
+VALUES (:phase, :reason, clock_timestamp(),
+        clock_timestamp() + make_interval(secs => CAST(:for_s AS float8)), :by)
+ON CONFLICT (phase) DO UPDATE
+SET reason = EXCLUDED.reason, paused_at = EXCLUDED.paused_at,
+    paused_until = EXCLUDED.paused_until, paused_by = EXCLUDED.paused_by
+RETURNING phase, reason, paused_at, paused_until, paused_by;
+
+-- name: resume_phases
+-- The pauses that were in force are the ones resumed; ended ones just go.
+DELETE FROM messenger.reaper_pauses
+WHERE phase = ANY (CAST(:phases AS text[]))
+RETURNING phase, reason, paused_by,
+          (paused_until IS NULL OR paused_until > clock_timestamp()) AS in_force;

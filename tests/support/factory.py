@@ -134,6 +134,11 @@ def session_row(conn: Connection, conference_id: str) -> dict[str, Any]:
     )
 
 
+def session_row_status(engine: Engine, conference_id: str) -> str:
+    with engine.connect() as conn:
+        return session_row(conn, conference_id)["status"]
+
+
 def outbox(conn: Connection) -> list[dict[str, Any]]:
     return [
         dict(r)
