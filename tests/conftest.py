@@ -42,6 +42,8 @@ from tests.support.facts import FactRecorder  # noqa: E402
 from tests.support.ports import free_port, reachable, wait_for_port  # noqa: E402, F401
 
 TABLES = (
+    "messenger.reaper_pauses",
+    "messenger.reaper_tenant_policies",
     "messenger.reaper_runs",
     "messenger.realtime_outbox",
     "messenger.integration_outbox",

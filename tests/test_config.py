@@ -68,6 +68,7 @@ INVALID: dict[str, list[str]] = {
     "METRICS_ADDRESS": ["", "0.0.0.0:9808", "http://h", "not a host", "-h"],
     "MASS_CLOSURE_SHARE": ["0", "-0.1", "1.01", "half", "nan", "inf", ""],
     "MASS_CLOSURE_FLOOR": ["-1", "x", "2.5", ""],
+    "OPERATOR": ["", "x" * 201],
 }
 
 # Wrong combinations: the environment, and the variable the line must name.
