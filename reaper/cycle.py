@@ -226,13 +226,13 @@ class Reaper:
         ending more than the configured share of the Active conferences in one
         cycle is refused until an operator allows it for one run.
         """
-        with transaction(self.engine, budgets.batch(self.settings)) as queries:
-            eligible, active = queries.stale_live_census(
-                as_of=run.as_of,
-                cutoff=phase.cutoff(self.settings, run.as_of),
-                excluded=run.excluded_now(),
-            )
         share, floor = self.settings.mass_closure_share, self.settings.mass_closure_floor
+        with transaction(self.engine, budgets.batch(self.settings)) as queries:
+            eligible = queries.stale_live_eligible(
+                cutoff=phase.cutoff(self.settings, run.as_of), excluded=run.excluded_now()
+            )
+            # Counting every live room costs what the live rooms cost: only when it can matter.
+            active = queries.active_count() if eligible > floor else 0
         if eligible <= floor or eligible <= share * active:
             return False
         self.bus.emit(

@@ -46,7 +46,6 @@ def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
 class PhaseCensus:
     phase: str
     eligible: int
-    poison: int
     oldest_eligible_since: datetime | None
     window: timedelta
 
@@ -60,7 +59,6 @@ class PhaseCensus:
 class Census:
     as_of: datetime
     phases: dict[str, PhaseCensus]
-    active: int
 
     @property
     def backlog(self) -> int:
@@ -73,13 +71,12 @@ def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
         name: PhaseCensus(
             phase=name,
             eligible=int(row[name]),
-            poison=int(row.get(f"{name}_poison", 0) or 0),
             oldest_eligible_since=row[f"{name}_since"],
             window=PHASES[name].window(settings),
         )
         for name in ORDER
     }
-    return Census(as_of, phases, int(row["active"]))
+    return Census(as_of, phases)
 
 
 def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
@@ -247,21 +244,23 @@ def plan(
         as_of = as_of or queries.database_clock()
         counted = census(queries, settings, as_of)
         rows = queries.plan_candidates(as_of=as_of, per_phase=per_phase, **cutoffs(settings, as_of))
+        active = queries.active_count()
+        paused = {row.phase: row.reason for row in queries.active_pauses()}
     phases: dict[str, dict[str, Any]] = {}
     for name in ORDER:
         p = counted.phases[name]
         phases[name] = {
             "becomes": f"{PHASES[name].status}/{PHASES[name].end_reason}",
             "eligible": p.eligible,
-            "would_close": p.eligible - p.poison,
-            "would_fail": p.poison,
+            "would_close": 0 if name in paused else p.eligible,
+            "paused": paused.get(name),
             "blocked": None,
             "truncated": p.eligible > per_phase,
             "conferences": [],
         }
     # The mass-closure guard runs after empty_room has committed (cycle.py).
     stale = phases["stale_live"]
-    active_after = counted.active - phases["empty_room"]["would_close"]
+    active_after = active - phases["empty_room"]["would_close"]
     share, floor = settings.mass_closure_share, settings.mass_closure_floor
     if stale["would_close"] > floor and stale["would_close"] > share * active_after:
         stale["blocked"] = (
@@ -282,7 +281,7 @@ def plan(
                 "last_activity_at": rfc3339(row.last_activity_at),
                 "created_at": rfc3339(row.created_at),
                 "active_participant_count": row.active_participant_count,
-                "would_fail": row.poison,
+                "anomaly": row.anomaly,
             }
         )
     return {
@@ -295,14 +294,13 @@ def plan(
 def format_plan(data: dict[str, Any]) -> str:
     lines = [f"plan for a cycle at {data['as_of']} (nothing is changed)"]
     for name, p in data["phases"].items():
-        head = f"\n{name} -> {p['becomes']}: {p['would_close']} would close" + (
-            f", {p['would_fail']} would fail the status guard" if p["would_fail"] else ""
-        )
-        lines.append(head)
+        lines.append(f"\n{name} -> {p['becomes']}: {p['would_close']} would close")
+        if p["paused"]:
+            lines.append(f"  PAUSED (reaper resume): {p['paused']}")
         if p["blocked"]:
             lines.append(f"  BLOCKED by the {p['blocked']}")
         for c in p["conferences"]:
-            note = f"  [would fail: {c['would_fail']}]" if c["would_fail"] else ""
+            note = f"  [no duration: {c['anomaly']}]" if c["anomaly"] else ""
             lines.append(f"  {c['conference_id']}  deal {c['deal_id']}  {c['reason']}{note}")
         if p["truncated"]:
             lines.append(f"  ... {p['eligible'] - len(p['conferences'])} more (--limit)")

@@ -210,14 +210,13 @@ class Queries:
             ).scalars()
         )
 
-    def stale_live_census(
-        self, *, as_of: datetime, cutoff: datetime, excluded: list[str]
-    ) -> tuple[int, int]:
-        """``(eligible, active)``: what stale_live would end now, of all Active rooms."""
-        row = _run(
-            self.conn, "stale_live_census", as_of=as_of, cutoff=cutoff, excluded=excluded
-        ).one()
-        return int(row.eligible), int(row.active)
+    def stale_live_eligible(self, *, cutoff: datetime, excluded: list[str]) -> int:
+        """The Active rooms stale_live would end now (the mass-closure guard)."""
+        row = _run(self.conn, "stale_live_eligible", cutoff=cutoff, excluded=excluded)
+        return int(row.scalar())
+
+    def active_count(self) -> int:
+        return int(_run(self.conn, "active_count").scalar())
 
     def mark_stop_requested(self, recording_ids: list[str]) -> int:
         return _run(self.conn, "mark_stop_requested", recording_ids=recording_ids).rowcount

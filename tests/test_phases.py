@@ -201,6 +201,8 @@ def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, 
     stops = []
 
     class Recorder:
+        timeout = 2.0
+
         def stop_all(self, requests):
             stops.extend(requests)
             return requests

@@ -143,6 +143,7 @@ def explain(conn: Connection, phase: str, as_of, batch_size: int = 100) -> dict[
         "cutoff": as_of - extra["window"],
         "batch_size": batch_size,
         "excluded": [],
+        "only": None,
     }
     if name == "end_active_batch":
         params |= {
@@ -199,6 +200,49 @@ def test_phase_statement_plan_stays_on_its_partial_index(
     with seeded.connect() as conn:
         plan = explain(conn, phase, as_of, batch_size)
     assert problems(plan, PHASES[phase][1]) == [], outline(plan)
+
+
+# The per-cycle census (the backlog gauge, the mass-closure guard) and reaper
+# plan: each phase's count is a range of that phase's own partial index.
+CENSUS: dict[str, set[str]] = {
+    "eligible_census": {"ix_conf_empty_active", "ix_conf_provisioning", "ix_conf_active"},
+    "stale_live_eligible": {"ix_conf_active"},
+    "plan_candidates": {"ix_conf_empty_active", "ix_conf_provisioning", "ix_conf_active"},
+}
+
+
+def census_problems(plan: dict[str, Any], indexes: set[str]) -> list[str]:
+    found = []
+    used = set()
+    for node, _ in nodes(plan):
+        if node["Node Type"] == "Seq Scan" and node.get("Relation Name") in TABLES:
+            found.append(f"sequential scan of {node['Relation Name']}")
+        if node.get("Index Name", "").startswith("ix_conf_"):  # a range of it, bitmap or not
+            used.add(node["Index Name"])
+    if used != indexes:
+        found.append(f"indexes used: {sorted(used)}, expected {sorted(indexes)}")
+    return found
+
+
+@pytest.mark.parametrize("statement", list(CENSUS))
+@pytest.mark.parametrize("moment", ["backlog", "quiet"])
+def test_census_statements_count_index_ranges_not_live_rooms(
+    seeded: Engine, statement: str, moment: str
+) -> None:
+    as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
+    params = {
+        "as_of": as_of,
+        "empty_cutoff": as_of - timedelta(seconds=90),
+        "provision_cutoff": as_of - timedelta(seconds=120),
+        "stale_cutoff": as_of - timedelta(hours=4),
+        "cutoff": as_of - timedelta(hours=4),
+        "excluded": [],
+        "per_phase": 100,
+    }
+    with seeded.connect() as conn:
+        sql = "EXPLAIN (FORMAT JSON) " + load()[statement].text
+        plan = conn.execute(text(sql), params).scalar_one()[0]["Plan"]
+    assert census_problems(plan, CENSUS[statement]) == [], outline(plan)
 
 
 def test_the_plan_check_sees_a_scan_of_all_candidates(seeded: Engine) -> None:

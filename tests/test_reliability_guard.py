@@ -142,19 +142,22 @@ def test_share_of_one_turns_the_guard_off(database_url, engine):
     )
 
 
-def test_poison_rows_do_not_count_as_eligible(database_url, engine, caplog):
-    """Poison rows found earlier in the cycle are out of the census."""
+def test_poison_rows_do_not_count_as_eligible(database_url, refusing_database, caplog):
+    """Rows the database refused earlier in the cycle (poison, left out for the
+    cycle) are out of the guard's census."""
+    engine = refusing_database
     caplog.set_level(logging.INFO, "reaper")
     settings = Settings(database_url=database_url, mass_closure_floor=2)
     with engine.begin() as conn:
-        for _ in range(3):
-            f.conference(conn, idle=timedelta(hours=5), participants=1, started_at=None)
+        for _ in range(3):  # empty and stale: empty_room meets them first, and is refused
+            f.refuse(conn, f.conference(conn, idle=timedelta(hours=5))["id"])
         good = f.conference(conn, idle=timedelta(hours=5), age=timedelta(hours=6), participants=1)
         for _ in range(3):
             f.conference(conn, idle=timedelta(minutes=1), participants=2)
     result = Reaper(settings, engine=engine).run_cycle(T0)
-    # the census leaves out what the guard would reject: 1 eligible <= floor 2
+    # the census leaves out the cycle's poison rows: 1 eligible <= floor 2
     assert result["stale_timeout_count"] == 1 and result["failed_count"] == 3, result
+    assert not events(caplog, "phase.mass_closure_blocked")
     with engine.connect() as conn:
         assert f.statuses(conn)[good["id"]] == ("Ended", "Timeout")
 

@@ -104,17 +104,20 @@ WHERE finished_at IS NULL
    OR run_id = (SELECT run_id FROM messenger.reaper_runs
                 WHERE finished_at IS NOT NULL ORDER BY finished_at DESC LIMIT 1);
 
--- name: stale_live_census
--- The mass-closure guard's inputs: Active conferences stale_live would end now
--- (rows its guard would reject as poison left out) against all Active ones.
-SELECT count(*) FILTER (
-           WHERE s.last_activity_at <= :cutoff
-             AND s.started_at IS NOT NULL AND s.started_at <= :as_of
-             AND s.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
-             AND s.id <> ALL (CAST(:excluded AS uuid[]))) AS eligible,
-       count(*) AS active
+-- name: stale_live_eligible
+-- The mass-closure guard's first input: the Active conferences stale_live would
+-- end now. A range of ix_conf_active, so a quiet cycle costs what the eligible
+-- rows cost, not what the live ones do (docs/design.md#the-mass-closure-guard).
+SELECT count(*)
 FROM messenger.conference_sessions s
-WHERE s.status = 'Active';
+WHERE s.status = 'Active'
+  AND s.last_activity_at <= :cutoff
+  AND s.id <> ALL (CAST(:excluded AS uuid[]));
+
+-- name: active_count
+-- All Active conferences: the guard's second input, counted only when the
+-- first one is above the floor (an incident, not every cycle), and reaper plan's.
+SELECT count(*) FROM messenger.conference_sessions WHERE status = 'Active';
 
 -- name: end_active_batch
 WITH visible AS (
@@ -543,83 +546,70 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-rea
 -- name: eligible_census
 -- What the next cycle would select, per phase, with the phases' own
 -- predicates; each conference counted once, in the first phase that selects
--- it (a terminal transition hides it from the later ones). The sum is
--- messenger_conf_reaper_active_backlog. *_since: when the oldest one became
--- eligible (its last_activity_at or created_at plus the window).
-SELECT count(*) FILTER (WHERE w.phase = 'empty_room') AS empty_room,
-       min(w.eligible_since) FILTER (WHERE w.phase = 'empty_room') AS empty_room_since,
-       count(*) FILTER (WHERE w.phase = 'provision_timeout') AS provision_timeout,
-       min(w.eligible_since) FILTER (WHERE w.phase = 'provision_timeout')
-           AS provision_timeout_since,
-       count(*) FILTER (WHERE w.phase = 'stale_live') AS stale_live,
-       min(w.eligible_since) FILTER (WHERE w.phase = 'stale_live') AS stale_live_since,
-       -- rows the Active phases' status guard would reject (end_active_batch)
-       count(*) FILTER (WHERE w.phase = 'empty_room' AND w.poison) AS empty_room_poison,
-       count(*) FILTER (WHERE w.phase = 'stale_live' AND w.poison) AS stale_live_poison,
-       count(*) FILTER (WHERE s.status = 'Active') AS active
-FROM messenger.conference_sessions s
-CROSS JOIN LATERAL (
-    SELECT CASE
-             WHEN s.status = 'Active' AND s.active_participant_count = 0
-                  AND s.last_activity_at <= :empty_cutoff THEN 'empty_room'
-             WHEN s.status = 'Provisioning' AND s.created_at <= :provision_cutoff
-                  THEN 'provision_timeout'
-             WHEN s.status = 'Active' AND s.last_activity_at <= :stale_cutoff THEN 'stale_live'
-           END AS phase,
-           CASE
-             WHEN s.status = 'Active' AND s.active_participant_count = 0
-                  AND s.last_activity_at <= :empty_cutoff
-                  THEN s.last_activity_at + (CAST(:as_of AS timestamptz) - :empty_cutoff)
-             WHEN s.status = 'Provisioning' AND s.created_at <= :provision_cutoff
-                  THEN s.created_at + (CAST(:as_of AS timestamptz) - :provision_cutoff)
-             WHEN s.status = 'Active' AND s.last_activity_at <= :stale_cutoff
-                  THEN s.last_activity_at + (CAST(:as_of AS timestamptz) - :stale_cutoff)
-           END AS eligible_since,
-           s.status = 'Active' AND (
-               s.started_at IS NULL OR s.started_at > :as_of
-               OR s.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
-           ) AS poison
-) w
-WHERE s.status IN ('Provisioning', 'Active');
+-- it (a terminal transition hides it from the later ones: an empty room past
+-- the stale-live timeout is past the grace too, so stale_live counts the
+-- occupied ones). The sum is messenger_conf_reaper_active_backlog. Each count is
+-- a range of its phase's partial index: it costs what the eligible rows cost,
+-- never what the live ones do. *_since: when the oldest one became eligible
+-- (its last_activity_at or created_at plus the window).
+SELECT e.n AS empty_room,
+       e.oldest + (CAST(:as_of AS timestamptz) - :empty_cutoff) AS empty_room_since,
+       p.n AS provision_timeout,
+       p.oldest + (CAST(:as_of AS timestamptz) - :provision_cutoff) AS provision_timeout_since,
+       l.n AS stale_live,
+       l.oldest + (CAST(:as_of AS timestamptz) - :stale_cutoff) AS stale_live_since
+FROM (SELECT count(*) AS n, min(s.last_activity_at) AS oldest
+      FROM messenger.conference_sessions s
+      WHERE s.status = 'Active' AND s.active_participant_count = 0
+        AND s.last_activity_at <= :empty_cutoff) e,
+     (SELECT count(*) AS n, min(s.created_at) AS oldest
+      FROM messenger.conference_sessions s
+      WHERE s.status = 'Provisioning' AND s.created_at <= :provision_cutoff) p,
+     (SELECT count(*) AS n, min(s.last_activity_at) AS oldest
+      FROM messenger.conference_sessions s
+      WHERE s.status = 'Active' AND s.active_participant_count <> 0
+        AND s.last_activity_at <= :stale_cutoff) l;
 
 -- name: plan_candidates
 -- reaper plan: the conferences of eligible_census (same predicates, same
--- phase assignment), oldest first, at most :per_phase per phase. poison: why
--- the phase's status guard would reject it (end_active_batch's rules).
+-- phase assignment), oldest first, at most :per_phase per phase, each from its
+-- phase's index range. anomaly: why the room will be closed without a
+-- duration (end_active_batch's rules, docs/design.md#anomalies).
 WITH candidates AS (
-    SELECT s.id, s.chat_id, s.deal_id, s.tenant_id, s.status, s.created_at, s.started_at,
-           s.last_activity_at, s.active_participant_count,
-           CASE
-             WHEN s.status = 'Active' AND s.active_participant_count = 0
-                  AND s.last_activity_at <= :empty_cutoff THEN 'empty_room'
-             WHEN s.status = 'Provisioning' AND s.created_at <= :provision_cutoff
-                  THEN 'provision_timeout'
-             WHEN s.status = 'Active' AND s.last_activity_at <= :stale_cutoff THEN 'stale_live'
-           END AS phase
-    FROM messenger.conference_sessions s
-    WHERE s.status IN ('Provisioning', 'Active')
-),
-ranked AS (
-    SELECT c.*,
-           row_number() OVER (
-               PARTITION BY c.phase
-               ORDER BY CASE WHEN c.phase = 'provision_timeout' THEN c.created_at
-                             ELSE c.last_activity_at END, c.id) AS rank
-    FROM candidates c
-    WHERE c.phase IS NOT NULL
+    (SELECT 'empty_room' AS phase, s.*
+     FROM messenger.conference_sessions s
+     WHERE s.status = 'Active' AND s.active_participant_count = 0
+       AND s.last_activity_at <= :empty_cutoff
+     ORDER BY s.last_activity_at, s.id
+     LIMIT :per_phase)
+    UNION ALL
+    (SELECT 'provision_timeout' AS phase, s.*
+     FROM messenger.conference_sessions s
+     WHERE s.status = 'Provisioning' AND s.created_at <= :provision_cutoff
+     ORDER BY s.created_at, s.id
+     LIMIT :per_phase)
+    UNION ALL
+    (SELECT 'stale_live' AS phase, s.*
+     FROM messenger.conference_sessions s
+     WHERE s.status = 'Active' AND s.active_participant_count <> 0
+       AND s.last_activity_at <= :stale_cutoff
+     ORDER BY s.last_activity_at, s.id
+     LIMIT :per_phase)
 )
-SELECT r.phase, r.id AS conference_id, r.chat_id, r.deal_id, r.tenant_id, r.status,
-       r.created_at, r.started_at, r.last_activity_at, r.active_participant_count,
+SELECT c.phase, c.id AS conference_id, c.chat_id, c.deal_id, c.tenant_id, c.status,
+       c.created_at, c.started_at, c.last_activity_at, c.active_participant_count,
        CASE
-         WHEN r.phase = 'provision_timeout' THEN NULL
-         WHEN r.started_at IS NULL THEN 'Active without started_at'
-         WHEN r.started_at > :as_of THEN 'started_at after as_of'
-         WHEN r.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+         WHEN c.phase = 'provision_timeout' THEN NULL
+         WHEN c.started_at IS NULL THEN 'started_at is missing'
+         WHEN c.started_at > :as_of THEN 'started_at is later than as_of'
+         WHEN NOT isfinite(c.started_at)
+              OR c.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
              THEN 'started_at too far in the past (duration out of range)'
-       END AS poison
-FROM ranked r
-WHERE r.rank <= :per_phase
-ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], r.phase), r.rank;
+       END AS anomaly
+FROM candidates c
+ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], c.phase),
+         CASE WHEN c.phase = 'provision_timeout' THEN c.created_at ELSE c.last_activity_at END,
+         c.id;
 
 -- name: backend_activity
 -- Who a backend pid is (reaper status: the lock holder).
