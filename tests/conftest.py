@@ -137,3 +137,39 @@ def kafka_broker(services: None) -> Iterator[str]:
         yield broker.bootstrap
     finally:
         broker.stop()
+
+
+# -- test layers (README "Test it") ---------------------------------------------
+# The fast layer is every test not marked ``process`` (nor ``soak``): pure
+# functions, config, formatting and the SQL statements against the session
+# database, in this process. ``process`` tests start processes: workers, the
+# CLI, a Kafka-compatible broker, promtool. ``scripts/test -m fast`` runs the
+# fast layer alone; a fast test that starts a process fails (below), so the
+# layer stays fast by construction.
+
+PROCESS_FIXTURES = {"kafka_broker"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.process)
+        if not item.get_closest_marker("process") and not item.get_closest_marker("soak"):
+            item.add_marker(pytest.mark.fast)
+
+
+class _NoProcessInTheFastLayer:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError(
+            "a test of the fast layer started a process: mark it pytest.mark.process"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _fast_layer_starts_no_process(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if request.node.get_closest_marker("fast"):
+        import subprocess
+
+        monkeypatch.setattr(subprocess, "Popen", _NoProcessInTheFastLayer)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from sqlalchemy import create_engine, text
 
 from tests.conftest import PG_URL, ROOT, SESSION_TAG
@@ -24,6 +25,7 @@ FIGURES = (
 )
 
 
+@pytest.mark.process
 def test_bench_tiny_prints_every_figure(tmp_path, database_url):
     name = f"reaper_bench_smoke_{SESSION_TAG}"
     report = tmp_path / "bench.json"

@@ -8,6 +8,7 @@ import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
 
 from reaper.cycle import Reaper
@@ -158,6 +159,7 @@ def test_plan_shows_when_the_mass_closure_guard_would_stop_stale_live(settings, 
     assert (result["stale_timeout_count"], result["empty_timeout_count"]) == (0, 1)
 
 
+@pytest.mark.process
 def test_plan_and_status_commands_print_text_and_json(engine):
     seeded = seed_mixed(engine)
     text_plan = cli("plan", "--as-of", T0.isoformat())
@@ -182,6 +184,7 @@ def test_plan_and_status_commands_print_text_and_json(engine):
     assert status["lock"] == {"held": False, "holder_pid": None}
 
 
+@pytest.mark.process
 def test_status_shows_pending_outbox_and_the_lock_holder(settings, engine):
     with engine.begin() as conn:
         f.conference(conn, idle=timedelta(minutes=5))
@@ -209,6 +212,7 @@ def test_status_shows_pending_outbox_and_the_lock_holder(settings, engine):
     assert "outbox pending" in as_text
 
 
+@pytest.mark.process
 def test_the_database_password_is_never_printed(settings, engine):
     url = make_url(settings.database_url).set(password="s3cr3t-Pa55")
     secret = "s3cr3t-Pa55"
@@ -228,6 +232,7 @@ def test_the_database_password_is_never_printed(settings, engine):
         assert len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.process
 def test_status_reads_with_the_configured_settings(engine):
     """The windows come from the environment, as for the worker."""
     with engine.begin() as conn:

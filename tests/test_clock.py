@@ -13,6 +13,8 @@ import subprocess
 import time
 from datetime import timedelta
 
+import pytest
+
 from reaper.clock import parse_time, rfc3339
 from tests.support import factory as f
 from tests.support.ports import free_port
@@ -27,6 +29,7 @@ def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith('{"ts"')]
 
 
+@pytest.mark.process
 def test_a_fast_worker_clock_closes_no_room_in_use(engine):
     """Measured before: 120 s ahead, `reaper reap --once` ended an empty room whose
     last activity was 30 s earlier (grace 90 s)."""
@@ -55,6 +58,7 @@ def test_a_fast_worker_clock_closes_no_room_in_use(engine):
           "to the database's clock; a room idle 30 s left alone")  # fmt: skip
 
 
+@pytest.mark.process
 def test_a_hand_given_as_of_in_the_databases_future_is_refused(engine):
     now = f.db_now(engine)
     with engine.begin() as conn:
@@ -75,6 +79,7 @@ def test_a_hand_given_as_of_in_the_databases_future_is_refused(engine):
     assert json.loads(within.stdout)["skipped"] is False
 
 
+@pytest.mark.process
 def test_the_task_refuses_a_future_as_of_and_the_worker_exports_its_skew(engine, tmp_path):
     """A worker whose clock is 120 s fast: ``reaper.reap`` with an ``as_of`` 60 s in
     the database's future fails with the reason; its cycles export the skew."""

@@ -199,6 +199,7 @@ def run(command: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_real_entry_points_refuse_bad_config(command):
     jobs = [(env, variable) for env, variable in PROCESS_CASES]

@@ -7,6 +7,7 @@ import json
 import time
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import text
 
 from reaper import metrics
@@ -18,6 +19,7 @@ from tests.support import factory as f
 from tests.support.processes import Worker, run_cli, wait_until
 
 
+@pytest.mark.process
 def test_a_paused_phase_changes_nothing_and_the_result_says_so(settings, engine, facts):
     now = f.db_now(engine)
     with engine.begin() as conn:
@@ -61,6 +63,7 @@ def test_a_paused_phase_changes_nothing_and_the_result_says_so(settings, engine,
     assert metrics.sample("messenger_conf_reaper_paused", {"phase": "empty_room"}) == 0
 
 
+@pytest.mark.process
 def test_a_pause_for_a_while_ends_by_itself_and_covers_all_phases(settings, engine):
     now = f.db_now(engine)
     with engine.begin() as conn:
@@ -82,6 +85,7 @@ def test_a_pause_for_a_while_ends_by_itself_and_covers_all_phases(settings, engi
             later["stale_timeout_count"]) == (1, 1, 1)  # fmt: skip
 
 
+@pytest.mark.process
 def test_pause_needs_a_reason_and_a_valid_duration():
     assert run_cli("pause").returncode == 2  # --reason is required
     blank = run_cli("pause", "--reason", "  ")
@@ -94,6 +98,7 @@ def test_pause_needs_a_reason_and_a_valid_duration():
     assert wrong.returncode == 2
 
 
+@pytest.mark.process
 def test_a_pause_is_seen_by_a_second_replica_within_one_cycle(engine, tmp_path):
     env = {"REAPER_EMPTY_ROOM_GRACE": "2"}
     # Ticks that drift apart, so neither replica's cycles are always the skipped ones.
@@ -131,6 +136,7 @@ def test_a_pause_is_seen_by_a_second_replica_within_one_cycle(engine, tmp_path):
           "(interval 1 s)")  # fmt: skip
 
 
+@pytest.mark.process
 def test_parked_rows_are_listed_and_requeued(engine):
     with engine.begin() as conn:
         for key in ("deal-a", "deal-b"):

@@ -11,6 +11,7 @@ import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import Engine, text
 
 from tests.conftest import BIN, ROOT, free_port
@@ -149,6 +150,7 @@ def test_celery_call_relay_outbox_by_hand(engine, kafka_broker, tmp_path):
     assert "{'published': 2, 'failed': 0, 'pending': 0}" in line
 
 
+@pytest.mark.process
 def test_dev_kafka_script_starts_creates_the_topic_and_stops(tmp_path):
     port = free_port()
     pidfile = tmp_path / "kafka.pid"

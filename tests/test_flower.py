@@ -41,6 +41,7 @@ def flower_args(port: int) -> list[str]:
         (AUTH, ["--basic-auth="], "emptied by an option"),
     ],
 )
+@pytest.mark.process
 def test_flower_refuses_to_start_without_basic_auth(auth, extra, why):
     port = free_port()
     env = flower_env(**({"FLOWER_BASIC_AUTH": auth} if auth is not None else {}))

@@ -117,6 +117,7 @@ def test_lock_never_returns_to_the_pool(settings, engine):
             conn.close()
 
 
+@pytest.mark.process
 def test_killed_runner_loses_the_lock_at_once(database_url, engine):
     proc = _start_holder(database_url, 60, "time.sleep(60)")
     assert holder(engine) is not None
@@ -128,6 +129,7 @@ def test_killed_runner_loses_the_lock_at_once(database_url, engine):
     assert waited <= 1.0, waited
 
 
+@pytest.mark.process
 def test_hung_runner_loses_the_lock_within_ttl(database_url, engine):
     ttl = 2.0
     proc = _start_holder(database_url, ttl, "os.kill(os.getpid(), signal.SIGSTOP)")

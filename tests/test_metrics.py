@@ -293,6 +293,7 @@ def published(n):
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("documented", [True, False], ids=["env-at-start", "env-unset"])
 def test_multiprocess_mode_files_wipe_and_dead_children(tmp_path, documented):
     """In a fresh process (the mode is per process): wipe at start, mark_process_dead.
@@ -332,6 +333,7 @@ print("ok")
     run_script(script, tmp_path, env_dir=documented)
 
 
+@pytest.mark.process
 def test_other_processes_never_use_the_workers_directory(tmp_path):
     """Flower (or anything not the worker) that inherited the directory keeps out of it."""
     script = f"""

@@ -9,6 +9,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, make_url, text
 
 from reaper.db import downgrade, migrate
@@ -43,6 +44,7 @@ def _schema(url: str) -> str:
     )
 
 
+@pytest.mark.process
 def test_upgrade_downgrade_upgrade_gives_the_same_schema():
     name = f"reaper_migrations_{uuid.uuid4().hex[:8]}"
     url = f"{PG_URL}/{name}"
@@ -79,6 +81,7 @@ def test_partial_index_covers_only_live_rows(engine):
     assert "status = ANY (ARRAY['Provisioning'::text, 'Active'::text])" in definition
 
 
+@pytest.mark.process
 def test_reaper_migrate_cli_creates_the_database(tmp_path):
     name = f"reaper_cli_{uuid.uuid4().hex[:8]}"
     url = f"{PG_URL}/{name}"

@@ -59,6 +59,7 @@ def promtool() -> str:
     return found
 
 
+@pytest.mark.process
 def test_alert_rules_pass_their_promtool_unit_tests():
     tool = promtool()
     for args in (

@@ -222,6 +222,7 @@ def test_a_hanging_recorder_delays_a_full_batch_by_about_two_timeouts(settings, 
     assert all(v is None for v in stop_requested(engine).values())
 
 
+@pytest.mark.process
 def test_no_recorder_url_means_no_calls_and_one_warning(settings, engine, database_url):
     with engine.begin() as conn:
         room = f.conference(conn, idle=timedelta(minutes=5))

@@ -387,6 +387,7 @@ def test_backoff_grows_and_is_capped(rsettings, engine, producers, topic):
 # -- Kafka down ---------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_broker_down_then_back_drains_everything(database_url, engine, producers, caplog):
     caplog.set_level(logging.INFO, "reaper")
     broker = Tansu().start()

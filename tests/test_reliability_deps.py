@@ -74,6 +74,7 @@ def private_pg() -> Iterator[PrivatePostgres]:
         pg.destroy()
 
 
+@pytest.mark.process
 def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
     url = private_pg.url()
     migrate(url)
@@ -133,6 +134,7 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
         )
 
 
+@pytest.mark.process
 def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
     redis = PrivateRedis().start()
     metrics_port = free_port()

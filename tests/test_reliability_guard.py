@@ -184,6 +184,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 def test_cli_blocks_then_override_for_one_run_then_blocks_again(engine):
     seed(engine, stale=30, fresh=10)
     blocked = run_cli()

@@ -235,6 +235,7 @@ def backends_of(engine: Engine, ports: set[int]) -> bool:
         )
 
 
+@pytest.mark.process
 def test_kill_9_worker_children_mid_cycle(db, tmp_path, capsys):
     """The prefork children run the phases: SIGKILL them mid-cycle; the parent
     replaces them and the next ticks finish the job."""

@@ -16,6 +16,7 @@ import textwrap
 import time
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import Engine, text
 
 from reaper.cycle import Reaper
@@ -57,6 +58,7 @@ def assert_skipped_whole(result: dict) -> None:
     assert result["paused"] == []
 
 
+@pytest.mark.process
 def test_a_cycle_between_its_phases_still_owns_the_run(settings, engine, facts: FactRecorder):
     rooms = seed(engine)
     owner = Reaper(settings, engine=engine)
@@ -79,6 +81,7 @@ def test_a_cycle_between_its_phases_still_owns_the_run(settings, engine, facts: 
     assert reap_once()["skipped"] is False
 
 
+@pytest.mark.process
 def test_a_slowed_phase_skips_every_other_cycle_whole(settings, engine):
     """A trigger makes the empty_room batch sleep 3 s: CLI runs meanwhile are skipped."""
     rooms = seed(engine)
@@ -148,6 +151,7 @@ def test_a_phase_that_cannot_take_the_lock_fails_and_never_reports_skipped(
     assert end.errors == 1
 
 
+@pytest.mark.process
 def test_a_dead_owner_is_taken_over_within_the_lock_ttl(settings, engine):
     """The owner took the run, ran a phase, and was killed between phases."""
     rooms = seed(engine)

@@ -51,6 +51,7 @@ class Canary:
         return (Path.touch, (self.marker,))
 
 
+@pytest.mark.process
 def test_pickled_message_is_refused_and_the_worker_goes_on(engine, tmp_path):
     marker = tmp_path / "unpickled"
     worker = Worker(tmp_path, {"REAPER_POLLING_INTERVAL": "1"}, name="pickle").start()
@@ -417,6 +418,7 @@ def tls_pg() -> Iterator[PrivatePostgres]:
         pg.destroy()
 
 
+@pytest.mark.process
 def test_postgres_tls_parameters_reach_psycopg2(tls_pg, tmp_path):
     from reaper.db import engine_for, migrate
 

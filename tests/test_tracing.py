@@ -34,6 +34,7 @@ def spans() -> Iterator[InMemorySpanExporter]:
     tracing.shutdown()
 
 
+@pytest.mark.process
 def test_cycle_phase_and_conference_spans_share_the_run_as_trace(
     settings, refusing_database, spans
 ):
@@ -120,6 +121,7 @@ class _Collector(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.process
 def test_reap_once_exports_over_otlp_when_an_endpoint_is_set(engine):
     with engine.begin() as conn:
         room = f.conference(conn, as_of=T0, idle=timedelta(seconds=100))

@@ -54,6 +54,7 @@ def consistent(engine: Engine) -> tuple[int, int, int]:
         )
 
 
+@pytest.mark.process
 def test_celery_call_reaps_a_seeded_room(engine, tmp_path):
     with engine.begin() as conn:
         room = f.conference(conn, as_of=now(), idle=timedelta(minutes=5))
@@ -81,6 +82,7 @@ def test_celery_call_reaps_a_seeded_room(engine, tmp_path):
         assert worker.stop() == 0
 
 
+@pytest.mark.process
 def test_reap_phase_by_hand(engine, tmp_path):
     with engine.begin() as conn:
         empty = f.conference(conn, as_of=now(), idle=timedelta(minutes=5))
@@ -109,6 +111,7 @@ def test_reap_phase_by_hand(engine, tmp_path):
         assert worker.stop() == 0
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("phase", ["empty_room", "provision_timeout"])
 def test_beat_closes_rooms_within_the_slo(engine, tmp_path, phase):
     """The SLO: an empty room closed by last_activity_at + grace + interval, a stuck
@@ -170,6 +173,7 @@ def test_beat_closes_rooms_within_the_slo(engine, tmp_path, phase):
         assert worker.stop() == 0
 
 
+@pytest.mark.process
 def test_ticks_nobody_picked_up_in_time_expire(engine, tmp_path):
     interval = app.conf.beat_schedule["reap"]["schedule"]
     assert 0 < app.conf.beat_schedule["reap"]["options"]["expires"] < interval
@@ -190,6 +194,7 @@ def test_ticks_nobody_picked_up_in_time_expire(engine, tmp_path):
         assert worker.stop() == 0
 
 
+@pytest.mark.process
 def test_warm_shutdown_ends_after_the_batch_in_flight(engine, tmp_path, capsys):
     """SIGTERM (a warm shutdown) while a pool child drains a 100,000-room backlog:
     the child is told, ends its phase after the batches in flight (one per lane),
@@ -226,6 +231,7 @@ def test_warm_shutdown_ends_after_the_batch_in_flight(engine, tmp_path, capsys):
         )
 
 
+@pytest.mark.process
 def test_reap_once_cli_prints_the_result(engine):
     with engine.begin() as conn:
         f.conference(conn, as_of=now(), idle=timedelta(minutes=5))
@@ -255,6 +261,7 @@ def test_reap_once_cli_prints_the_result(engine):
     assert '"event": "cycle.completed"' in done.stderr
 
 
+@pytest.mark.process
 def test_reap_once_sigterm_finishes_the_batch_in_flight(engine):
     with engine.begin() as conn:
         f.bulk_conferences(conn, 30_000, as_of=now())
@@ -278,6 +285,7 @@ def test_reap_once_sigterm_finishes_the_batch_in_flight(engine):
     assert holder(engine) is None
 
 
+@pytest.mark.process
 def test_two_runners_at_once_reap_each_room_exactly_once(database_url, engine):
     settings = Settings(database_url=database_url, batch_size=50)
     with engine.begin() as conn:
@@ -307,6 +315,7 @@ def test_two_runners_at_once_reap_each_room_exactly_once(database_url, engine):
         )
 
 
+@pytest.mark.process
 def test_runners_bypassing_the_lock_still_reap_each_room_once(database_url, engine):
     """Defence in depth: without the run lock, SKIP LOCKED and the status guard suffice.
     Four runners take batches of one phase side by side, with no run and no lock."""
