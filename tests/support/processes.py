@@ -55,11 +55,29 @@ class Worker:
 
     def start(self, ready_timeout: float = 30.0) -> Worker:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # A process group of its own: stop() ends whatever the worker left behind
+        # (a wrapper such as faketime forks the worker and does not pass SIGTERM on,
+        # so the worker lived on and reaped in later tests' database).
         self.proc = subprocess.Popen(
-            self.args, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+            self.args,
+            cwd=ROOT,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self.wait_for(lambda text: " ready." in text, ready_timeout, "worker ready")
         return self
+
+    def alive(self) -> bool:
+        """Any process of the worker's group still there (the worker, its pool, a wrapper)."""
+        if self.proc is None:
+            return False
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -84,6 +102,13 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        try:  # pool children or a wrapped worker still alive: gone now
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 10
+        while self.alive() and time.monotonic() < deadline:  # until init has reaped them
+            time.sleep(0.05)
         self._log.close()
         return self.proc.returncode
 
