@@ -258,16 +258,19 @@ class Queries:
         self,
         failures: dict[int, str],
         *,
+        charged: bool,
         backoff_initial_s: float,
         backoff_max_s: float,
         max_attempts: int,
     ) -> list[int]:
-        """Back off each failed row; returns those that ran out of attempts (parked)."""
+        """Back off each failed row, an attempt ``charged`` to it or not; returns
+        those that ran out of attempts (parked)."""
         rows = _run(
             self.conn,
             "mark_outbox_failed",
             ids=list(failures),
             errors=list(failures.values()),
+            charged=charged,
             backoff_initial_s=backoff_initial_s,
             backoff_max_s=backoff_max_s,
             max_attempts=max_attempts,

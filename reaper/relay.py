@@ -107,7 +107,7 @@ class RelayResult:
     def add(self, report: BatchReport) -> None:
         """A settled batch's part of the pass: the one place totals are added up."""
         self.published += len(report.published)
-        self.failed += len(report.failures) - report.out_of_attempts
+        self.failed += len(report.failures) + len(report.unreached) - report.out_of_attempts
         self.parked += len(report.refused) + report.out_of_attempts
         self.held_back += report.held_back
         self.kafka_unavailable = self.kafka_unavailable or report.unavailable is not None
@@ -121,7 +121,9 @@ class RelayResult:
 class BatchReport:
     claimed: int = 0
     published: list[int] = field(default_factory=list)
-    failures: dict[int, str] = field(default_factory=dict)  # backed off
+    failures: dict[int, str] = field(default_factory=dict)  # backed off, an attempt charged
+    # Kafka could not be reached: backed off, no attempt charged (not the row's fault)
+    unreached: dict[int, str] = field(default_factory=dict)
     refused: dict[int, str] = field(default_factory=dict)  # parked: refused for good
     out_of_attempts: int = 0  # of the failures, parked for having no attempt left
     held_back: int = 0
@@ -357,10 +359,13 @@ class Relay:
                 self._rounds(flight)
             if report.unavailable is not None:
                 error = describe(report.unavailable)
-                attempted = set(report.published) | set(report.failures) | set(report.refused)
+                attempted = (
+                    set(report.published) | set(report.failures) | set(report.refused)
+                    | set(report.unreached)
+                )  # fmt: skip
                 for row in flight.rows:
                     if row.id not in attempted:
-                        report.failures[row.id] = error
+                        report.unreached[row.id] = error
                 self._log_unavailable(report.unavailable, flight.rows, flight.producer)
                 self.producers.discard(f"Kafka unavailable: {error}")
             elif report.producer_broken:
@@ -373,7 +378,7 @@ class Relay:
             RelayBatchCommitted(
                 claimed=report.claimed,
                 published=len(report.published),
-                failed=len(report.failures),
+                failed=len(report.failures) + len(report.unreached),
                 parked=len(report.refused) + report.out_of_attempts,
             )
         )
@@ -435,13 +440,14 @@ class Relay:
 
     def _row_failed(self, row: Row, exc: BaseException, report: BatchReport) -> None:
         error = describe(exc)
+        if isinstance(exc, UNAVAILABLE):
+            report.unreached[row.id] = error
+            return  # one line for the whole batch, see _log_unavailable
         if refused_for_good(exc):
             report.refused[row.id] = error
         else:
             report.failures[row.id] = error
             report.producer_broken = report.producer_broken or breaks_the_producer(exc)
-        if isinstance(exc, UNAVAILABLE):
-            return  # one line for the whole batch, see _log_unavailable
         log(
             logger,
             "relay.row_parked" if row.id in report.refused else "relay.row_failed",
@@ -458,13 +464,15 @@ class Relay:
             queries.mark_outbox_published(report.published)
         if report.refused:
             queries.mark_outbox_parked(report.refused)
+        backoff = {
+            "backoff_initial_s": self.settings.relay_backoff_initial.total_seconds(),
+            "backoff_max_s": self.settings.relay_backoff_max.total_seconds(),
+            "max_attempts": self.settings.relay_max_attempts,
+        }
+        if report.unreached:  # an outage of Kafka never parks a row
+            queries.mark_outbox_failed(report.unreached, charged=False, **backoff)
         if report.failures:
-            parked = queries.mark_outbox_failed(
-                report.failures,
-                backoff_initial_s=self.settings.relay_backoff_initial.total_seconds(),
-                backoff_max_s=self.settings.relay_backoff_max.total_seconds(),
-                max_attempts=self.settings.relay_max_attempts,
-            )
+            parked = queries.mark_outbox_failed(report.failures, charged=True, **backoff)
             report.out_of_attempts = len(parked)
             if parked:
                 log(

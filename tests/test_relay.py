@@ -413,7 +413,8 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
         assert elapsed < 3 * settings.kafka_timeout.total_seconds()  # fails fast, generously
         pending = [r for r in outbox_rows(engine) if r["published_at"] is None]
         assert len(pending) == 3
-        assert all(r["attempts"] == 1 and r["last_error"] for r in pending)
+        # backed off with why, but Kafka being down is no attempt charged to the rows
+        assert all(r["attempts"] == 0 and r["last_error"] for r in pending)
         assert log_events(caplog, "relay.kafka_unavailable")
         assert metrics.sample("messenger_outbox_pending") == 3
         assert metrics.sample("messenger_outbox_oldest_pending_age_seconds") > 0
@@ -452,12 +453,34 @@ def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
     assert time.monotonic() - started < 10
     assert result.to_json() == {"published": 0, "failed": 3, "pending": 3}
     rows = outbox_rows(engine)
-    assert all(r["published_at"] is None and r["attempts"] == 1 for r in rows)
+    assert all(r["published_at"] is None and r["attempts"] == 0 for r in rows)
+    assert all(r["next_attempt_at"] is not None for r in rows)
     assert all("KafkaTimeoutError" in r["last_error"] for r in rows)
     [line] = log_events(caplog, "relay.kafka_unavailable")
     assert line["rows"] == 3
     # backing off: the next pass does not even try
     assert make_relay(settings, engine, producers).run().failed == 0
+
+
+def test_a_kafka_outage_longer_than_the_attempts_parks_nothing(database_url, engine, producers):
+    """Measured before: every pass during an outage charged each row an attempt,
+    so an outage of ~15 min (20 attempts with back-off) parked the whole backlog."""
+    settings = relay_settings(
+        database_url, f"127.0.0.1:{free_port()}", "t", kafka_timeout=timedelta(seconds=2),
+        relay_max_attempts=2,
+    )  # fmt: skip
+    with engine.begin() as conn:
+        for i in range(3):
+            add_outbox_row(conn, topic="t", key=f"k{i}")
+    relay = make_relay(settings, engine, producers)
+    for _ in range(4):  # twice the attempts a row has
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = NULL"))
+        result = relay.run()
+        assert (result.published, result.failed, result.pending) == (0, 3, 3)
+    rows = outbox_rows(engine)
+    assert all(r["parked_at"] is None and r["attempts"] == 0 for r in rows)
+    assert all("KafkaTimeoutError" in r["last_error"] for r in rows)
 
 
 def test_missing_topic_is_named(rsettings, engine, producers, caplog):

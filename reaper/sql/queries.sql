@@ -474,14 +474,17 @@ SET published_at = clock_timestamp(),
 WHERE id = ANY (CAST(:ids AS bigint[])) AND published_at IS NULL;
 
 -- name: mark_outbox_failed
--- One attempt more, why, and an exponential back-off before the next one; a
--- row out of attempts (:max_attempts) is parked instead.
+-- Why, and an exponential back-off before the next try. :charged: the row's
+-- own failure, one attempt more, and a row out of attempts (:max_attempts) is
+-- parked instead; not charged: Kafka could not be reached, which is no fault
+-- of the row, so an outage however long parks nothing (docs/design.md#parked-events).
 UPDATE messenger.integration_outbox o
-SET attempts = o.attempts + 1,
-    last_error = CASE WHEN o.attempts + 1 >= :max_attempts
+SET attempts = o.attempts + CASE WHEN :charged THEN 1 ELSE 0 END,
+    last_error = CASE WHEN :charged AND o.attempts + 1 >= :max_attempts
                       THEN f.error || ' (parked after ' || (o.attempts + 1) || ' attempts)'
                       ELSE f.error END,
-    parked_at = CASE WHEN o.attempts + 1 >= :max_attempts THEN clock_timestamp() END,
+    parked_at = CASE WHEN :charged AND o.attempts + 1 >= :max_attempts
+                     THEN clock_timestamp() END,
     next_attempt_at = clock_timestamp() + make_interval(secs => least(
         CAST(:backoff_max_s AS float8),
         CAST(:backoff_initial_s AS float8) * power(2, least(o.attempts, 30))))
