@@ -134,7 +134,7 @@ class _Metrics:
         )
         self.errors = Counter(
             "messenger_conf_reaper_errors_total",
-            "Failed phases (database errors) and poison conferences the guard rejected.",
+            "Failed phases (database errors) and poison conferences the database refused.",
             registry=r,
         )
         self.lateness = Histogram(
