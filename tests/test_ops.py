@@ -201,7 +201,9 @@ def test_compose_has_the_services_their_health_and_order():
         assert services[name]["healthcheck"]["test"]
     assert needs["migrate"]["condition"] == "service_completed_successfully"
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert services["worker"]["healthcheck"]["test"]
+    # the worker's health check is /healthz (503 when cycles stop, e.g. beat died)
+    assert any("/healthz" in part for part in services["worker"]["healthcheck"]["test"])
+    assert services["migrate"]["healthcheck"] == {"disable": True}
     # Prometheus loads the alert rules and scrapes the worker's metrics port
     assert "./ops/prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
     config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
@@ -252,3 +254,5 @@ def test_dockerfile_installs_the_project():
     text = (ROOT / "Dockerfile").read_text()
     assert "pip install ." in text and "COPY reaper" in text
     assert "USER " in text  # not root
+    [check] = [line for line in text.splitlines() if line.startswith("HEALTHCHECK")]
+    assert "/healthz" in text.split(check, 1)[1].splitlines()[1]
