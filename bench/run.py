@@ -49,12 +49,15 @@ class Sizes:
     quiet_runs: int
     repeats: int
     e2e_rooms: int
+    live_big: int  # the quiet cycle among this many live rooms, against quiet_small of them
 
 
 SIZES = {
-    "full": Sizes(100_000, 1_000_000, 10_000, 50_000, quiet_runs=41, repeats=3, e2e_rooms=200),
-    "quick": Sizes(10_000, 100_000, 10_000, 5_000, quiet_runs=31, repeats=2, e2e_rooms=100),
-    "tiny": Sizes(600, 3_000, 300, 200, quiet_runs=5, repeats=1, e2e_rooms=20),
+    "full": Sizes(100_000, 1_000_000, 10_000, 50_000, quiet_runs=41, repeats=3, e2e_rooms=200,
+                  live_big=1_000_000),
+    "quick": Sizes(10_000, 100_000, 10_000, 5_000, quiet_runs=31, repeats=2, e2e_rooms=100,
+                   live_big=100_000),
+    "tiny": Sizes(600, 3_000, 300, 200, quiet_runs=5, repeats=1, e2e_rooms=20, live_big=3_000),
 }
 
 
@@ -157,7 +160,11 @@ def drain_figures(url: str, sizes: Sizes, as_of: datetime, raw: dict) -> list[Ro
     return rows
 
 
-def quiet_figure(big_url: str, small_url: str, sizes: Sizes, as_of: datetime, raw: dict) -> Row:
+def quiet_figure(
+    big_url: str, small_url: str, sizes: Sizes, as_of: datetime, raw: dict, what: str = "finished"
+) -> Row:
+    """A whole cycle with nothing eligible (its census of the gauges included),
+    on the big database against the small one."""
     for url in (big_url, small_url):  # warm: connections, plans, caches
         for _ in range(3):
             drain.quiet_cycle(url, as_of)
@@ -165,15 +172,34 @@ def quiet_figure(big_url: str, small_url: str, sizes: Sizes, as_of: datetime, ra
     for _ in range(sizes.quiet_runs):  # interleaved, so drift hits both alike
         big.append(drain.quiet_cycle(big_url, as_of))
         small.append(drain.quiet_cycle(small_url, as_of))
-    raw["quiet"] = {"big_s": big, "small_s": small}
+    raw[f"quiet_{what}"] = {"big_s": big, "small_s": small}
+    big_n = sizes.history if what == "finished" else sizes.live_big
     return Row(
-        f"quiet cycle, {sizes.history:,} vs {sizes.quiet_small:,} finished (ms)",
+        f"quiet cycle, {big_n:,} vs {sizes.quiet_small:,} {what} (ms)",
         statistics.median(big) * 1000,
         statistics.median(small) * 1000,
         "",
         "<= 1.2x",
         lambda r: r <= 1.2,
     )
+
+
+def live_figure(database: str, sizes: Sizes, as_of: datetime, raw: dict, drop: bool) -> Row:
+    """The quiet cycle among many live rooms (Active, occupied, recently active):
+    it must cost what the eligible rows cost, not what the live ones do."""
+    big_url, small_url = f"{PG}/{database}_live", f"{PG}/{database}_live_small"
+    started = time.perf_counter()
+    for url, count in ((big_url, sizes.live_big), (small_url, sizes.quiet_small)):
+        seed.recreate(url)
+        seed.seed_live(url, count, as_of)
+    say(f"seeded {sizes.live_big:,} and {sizes.quiet_small:,} live rooms"
+        f" in {time.perf_counter() - started:.1f}s")  # fmt: skip
+    try:
+        return quiet_figure(big_url, small_url, sizes, as_of, raw, what="live")
+    finally:
+        if drop:
+            seed.drop(big_url)
+            seed.drop(small_url)
 
 
 def reap_once_figure(url: str, raw: dict) -> Row:
@@ -290,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--drop", action="store_true", help="drop the bench databases at the end")
     parser.add_argument(
-        "--only", default="drain,quiet,once,memory,relay,e2e", help="comma-separated figures"
+        "--only", default="drain,quiet,live,once,memory,relay,e2e", help="comma-separated figures"
     )
     args = parser.parse_args(argv)
     if not args.database.startswith("reaper_bench"):
@@ -316,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"seeded history in {time.perf_counter() - started:.1f}s")
         if "quiet" in only:
             rows.append(quiet_figure(big_url, small_url, sizes, as_of, raw).settle())
+        if "live" in only:
+            rows.append(live_figure(args.database, sizes, as_of, raw, drop=args.drop).settle())
         if "once" in only:
             rows.append(reap_once_figure(big_url, raw))
         seed.seed_eligible(big_url, sizes.eligible, as_of)

@@ -45,9 +45,11 @@ LIVE_SESSIONS = f"""
 INSERT INTO messenger.conference_sessions ({SESSION_COLUMNS})
 SELECT md5('l' || g)::uuid, md5('lc' || g)::uuid, md5('ld' || g)::uuid,
        md5('lt' || mod(g, 500))::uuid, 'Video', 'Active', NULL, md5('lu' || g)::uuid,
-       now() - interval '20 min', now() - interval '20 min', NULL,
-       now() + interval '1 hour', now(), 2, 3, NULL
-FROM generate_series(1, %(count)s) g
+       t - interval '20 min', t - interval '20 min', NULL,
+       -- active within the last minute of as_of: inside every window
+       t - mod(g, 60) * interval '1 s', t, 2, 3, NULL
+FROM generate_series(%(first)s, %(last)s) g
+CROSS JOIN LATERAL (SELECT CAST(%(as_of)s AS timestamptz) AS t) x
 """
 
 HISTORY_PARTICIPANTS = """
@@ -195,11 +197,27 @@ def seed_history(
     conn = connect(url)
     with conn, conn.cursor() as cur:
         cur.execute("SET session_replication_role = replica")  # no FK triggers for the seed
-        cur.execute(LIVE_SESSIONS, {"count": live})
+        seed_live_rooms(cur, live, as_of, chunk)
         for first in range(1, count + 1, chunk):
             params = {"first": first, "last": min(count, first + chunk - 1), "as_of": as_of}
             for statement in (HISTORY_SESSIONS, HISTORY_PARTICIPANTS, HISTORY_RECORDINGS):
                 cur.execute(statement, params)
+    conn.close()
+    vacuum(url)
+
+
+def seed_live_rooms(cur: psycopg2.extensions.cursor, count: int, as_of: datetime,
+                    chunk: int = 250_000) -> None:
+    for first in range(1, count + 1, chunk):
+        params = {"first": first, "last": min(count, first + chunk - 1), "as_of": as_of}
+        cur.execute(LIVE_SESSIONS, params)
+
+
+def seed_live(url: str, count: int, as_of: datetime) -> None:
+    """``count`` live rooms (Active, occupied, recently active) and no history."""
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        seed_live_rooms(cur, count, as_of)
     conn.close()
     vacuum(url)
 
