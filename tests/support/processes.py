@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -102,10 +103,8 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        try:  # pool children or a wrapped worker still alive: gone now
+        with contextlib.suppress(ProcessLookupError):  # pool children, a wrapped worker
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + 10
         while self.alive() and time.monotonic() < deadline:  # until init has reaped them
             time.sleep(0.05)
