@@ -143,6 +143,11 @@ def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
         {
             "REAPER_BROKER_URL": redis.url,
             "REAPER_POLLING_INTERVAL": "1",
+            # Redis keeps nothing on disk: a cycle whose next phase was queued
+            # when it stopped has lost its chain, and owns the run until its
+            # lease (REAPER_LOCK_TTL) runs out; then the next tick takes it over.
+            "REAPER_LOCK_TTL": "10",
+            "REAPER_MAX_RUN_DURATION": "5",
             "REAPER_METRICS_PORT": str(metrics_port),
             "REAPER_METRICS_ADDRESS": "127.0.0.1",
         },
