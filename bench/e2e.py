@@ -9,9 +9,10 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from bench.relay import Tansu, timestamps
+from bench.relay import timestamps
 from bench.seed import connect
 from bench.worker import Worker, worker_env
+from tests.support.kafka import Tansu, create_topic
 
 SEED_ROOMS = """
 INSERT INTO messenger.conference_sessions
@@ -33,9 +34,9 @@ def percentile(values: list[float], share: float) -> float:
 
 def run(url: str, workdir: Path, rooms: int, interval_s: float, spread_s: float) -> dict:
     """``rooms`` empty rooms that become eligible one after another over ``spread_s``."""
-    broker = Tansu()
+    broker = Tansu().start()
     topic = f"bench.conference-ended.{uuid.uuid4().hex[:8]}"
-    broker.create_topic(topic)
+    create_topic(broker.bootstrap, topic)
     grace = timedelta(seconds=2)
     env = worker_env(
         url,

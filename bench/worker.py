@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.seed import connect
+from tests.support.processes import children
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -25,14 +26,6 @@ def rss_kib(pid: int) -> int:
     except (FileNotFoundError, ProcessLookupError):
         pass
     return 0
-
-
-def children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except FileNotFoundError:
-        return []
-    return [int(c) for c in text.split()]
 
 
 def worker_env(url: str, **extra: str) -> dict[str, str]:

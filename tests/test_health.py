@@ -12,13 +12,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.ports import free_port
-from tests.support.processes import CELERY, ROOT, Worker, wait_until
+from tests.support.processes import CELERY, ROOT, Worker, children, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -33,13 +32,6 @@ def healthz(port: int) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
     except OSError:
         return 0, {}
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
-    return found
 
 
 def test_healthz_turns_503_when_the_embedded_beat_dies(engine, tmp_path):

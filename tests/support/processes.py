@@ -115,6 +115,17 @@ class Worker:
 REAPER = str(Path(sys.executable).parent / "reaper")
 
 
+def children(pid: int) -> list[int]:
+    """The process ids of ``pid``'s children (a worker's pool and its embedded beat)."""
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(c) for c in (task / "children").read_text().split()]
+    except FileNotFoundError:  # the process is gone
+        return []
+    return found
+
+
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
