@@ -45,7 +45,14 @@ from reaper.events import (
     PhaseFailed,
     process_bus,
 )
-from reaper.phases import ORDER, PHASES, BatchOutcome, Phase, candidates, reap_batch
+from reaper.phases import (
+    ORDER,
+    PHASES,
+    BatchOutcome,
+    Phase,
+    candidates,
+    reap_batch,
+)
 from reaper.runs import COUNT_KEYS, Run, Runs, Start, unowned_result
 
 
@@ -229,7 +236,9 @@ class Reaper:
         share, floor = self.settings.mass_closure_share, self.settings.mass_closure_floor
         with transaction(self.engine, budgets.batch(self.settings)) as queries:
             eligible = queries.stale_live_eligible(
-                cutoff=phase.cutoff(self.settings, run.as_of), excluded=run.excluded_now()
+                as_of=run.as_of,
+                cutoff=phase.cutoff(self.settings, run.as_of),
+                excluded=run.excluded_now(),
             )
             # Counting every live room costs what the live rooms cost: only when it can matter.
             active = queries.active_count() if eligible > floor else 0

@@ -23,7 +23,7 @@ from reaper.db import transaction
 from reaper.errors import describe
 from reaper.events import GaugesMeasured
 from reaper.logs import get_logger, log
-from reaper.phases import ORDER, PHASES, Phase
+from reaper.phases import ORDER, PHASES, Phase, tenant_windows
 from reaper.queries import Queries
 
 logger = get_logger("overview")
@@ -34,11 +34,22 @@ def safe_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+SHORT = {"empty_room": "empty", "provision_timeout": "provision", "stale_live": "stale"}
+
+
 def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
+    """Per phase the default cutoff."""
     return {
-        "empty_cutoff": PHASES["empty_room"].cutoff(settings, as_of),
-        "provision_cutoff": PHASES["provision_timeout"].cutoff(settings, as_of),
-        "stale_cutoff": PHASES["stale_live"].cutoff(settings, as_of),
+        f"{short}_cutoff": PHASES[name].cutoff(settings, as_of) for name, short in SHORT.items()
+    }
+
+
+def ranges(queries: Queries, settings: Settings, as_of: datetime) -> dict[str, datetime]:
+    """Per phase the widest cutoff, the end of its index range (plan_candidates)."""
+    shortest = tenant_windows(queries)
+    return {
+        f"{short}_range": PHASES[name].range_cutoff(settings, as_of, shortest)
+        for name, short in SHORT.items()
     }
 
 
@@ -222,17 +233,20 @@ def format_status(data: dict[str, Any]) -> str:
 # -- reaper plan -------------------------------------------------------------
 
 
-def _reason(phase: Phase, row: Any, settings: Settings, as_of: datetime) -> str:
-    window = human(phase.window(settings).total_seconds())
+def _reason(phase: Phase, row: Any, window: timedelta, as_of: datetime) -> str:
+    """Why the room is eligible; its window is its tenant's when a policy sets one."""
+    window_text = human(window.total_seconds())
+    if row.tenant_window is not None:
+        window_text += ", tenant policy"
     if phase.name == "provision_timeout":
         age = human((as_of - row.created_at).total_seconds())
-        return f"Provisioning for {age} (timeout {window})"
+        return f"Provisioning for {age} (timeout {window_text})"
     idle = human((as_of - row.last_activity_at).total_seconds())
     if phase.name == "empty_room":
-        return f"empty, no activity for {idle} (grace {window})"
+        return f"empty, no activity for {idle} (grace {window_text})"
     return (
         f"no presence activity for {idle} with {row.active_participant_count} "
-        f"participant(s) (timeout {window})"
+        f"participant(s) (timeout {window_text})"
     )
 
 
@@ -243,7 +257,12 @@ def plan(
     with transaction(engine, budgets.read()) as queries:
         as_of = as_of or queries.database_clock()
         counted = census(queries, settings, as_of)
-        rows = queries.plan_candidates(as_of=as_of, per_phase=per_phase, **cutoffs(settings, as_of))
+        rows = queries.plan_candidates(
+            as_of=as_of,
+            per_phase=per_phase,
+            **cutoffs(settings, as_of),
+            **ranges(queries, settings, as_of),
+        )
         active = queries.active_count()
         paused = {row.phase: row.reason for row in queries.active_pauses()}
     phases: dict[str, dict[str, Any]] = {}
@@ -270,6 +289,7 @@ def plan(
         stale["would_close"] = 0
     for row in rows:
         phase = PHASES[row.phase]
+        window = row.tenant_window or phase.window(settings)
         phases[row.phase]["conferences"].append(
             {
                 "conference_id": str(row.conference_id),
@@ -277,7 +297,9 @@ def plan(
                 "deal_id": str(row.deal_id),
                 "tenant_id": str(row.tenant_id),
                 "status": row.status,
-                "reason": _reason(phase, row, settings, as_of),
+                "reason": _reason(phase, row, window, as_of),
+                "window_seconds": window.total_seconds(),
+                "tenant_policy": row.tenant_window is not None,
                 "last_activity_at": rfc3339(row.last_activity_at),
                 "created_at": rfc3339(row.created_at),
                 "active_participant_count": row.active_participant_count,
