@@ -1,4 +1,5 @@
-"""What the operator sees: ``reaper status``, ``reaper plan`` and the database gauges.
+"""What the operator sees: ``reaper status``, ``reaper plan``, ``reaper policy list``
+and the database gauges.
 
 Read-only. The census and the plan use the phases' own predicates and phase
 order (``eligible_census`` / ``plan_candidates`` in ``sql/queries.sql``), and
@@ -19,6 +20,7 @@ from reaper import budgets
 from reaper.clock import human
 from reaper.clock import rfc3339_or_none as rfc3339
 from reaper.config import Settings
+from reaper.control import TenantPolicy
 from reaper.db import transaction
 from reaper.errors import describe
 from reaper.events import GaugesMeasured
@@ -115,6 +117,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
         activity = queries.backend_activity(pid) if pid is not None else None
         runs = queries.last_runs()
         pauses = queries.active_pauses()
+        tenant_policies = queries.tenant_policy_count()
     lock: dict[str, Any] = {"held": pid is not None, "holder_pid": pid}
     if activity is not None:
         lock["holder"] = {
@@ -142,6 +145,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
             "parked": parked,
         },
         "lock": lock,
+        "tenant_policies": tenant_policies,
         "run": _runs(runs),
         "paused": [
             {
@@ -209,6 +213,11 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"{'run lock':<18} held by backend pid {pid} ({detail}{since})")
     else:
         lines.append(f"{'run lock':<18} free")
+    if data["tenant_policies"]:
+        lines.append(
+            f"{'tenant policies':<18} {data['tenant_policies']:>8}  own windows replace the"
+            " defaults for those tenants (reaper policy list)"
+        )
     for pause in data["paused"]:
         until = f"until {pause['until']}" if pause["until"] else "until resumed"
         lines.append(
@@ -327,6 +336,63 @@ def format_plan(data: dict[str, Any]) -> str:
         if p["truncated"]:
             lines.append(f"  ... {p['eligible'] - len(p['conferences'])} more (--limit)")
     lines.append(f"\ntotal: {data['would_close']} would close")
+    return "\n".join(lines)
+
+
+# -- reaper policy -----------------------------------------------------------
+
+
+WINDOWS = ("empty_room_grace", "provision_timeout", "stale_live_timeout")
+
+
+def _window_text(policy: Any, name: str, settings: Settings) -> str:
+    own = getattr(policy, name)
+    if own is not None:
+        return human(own.total_seconds())
+    return f"default ({human(getattr(settings, name).total_seconds())})"
+
+
+def format_policy(policy: Any, settings: Settings) -> str:
+    """``TENANT: empty_room_grace 10m, provision_timeout default (2m), ...`` of a
+    policy, a PolicySet or a PolicyUnset."""
+    windows = ", ".join(f"{name} {_window_text(policy, name, settings)}" for name in WINDOWS)
+    return f"{policy.tenant_id}: {windows}"
+
+
+def policies_json(policies: list[TenantPolicy]) -> list[dict[str, Any]]:
+    """Each window in seconds, null where the tenant gets the default."""
+    return [
+        {
+            "tenant_id": p.tenant_id,
+            **{f"{name}_seconds": p.seconds(name) for name in WINDOWS},
+            "updated_at": rfc3339(p.updated_at),
+            "updated_by": p.updated_by,
+        }
+        for p in policies
+    ]
+
+
+def format_policies(policies: list[TenantPolicy], settings: Settings) -> str:
+    defaults = ", ".join(
+        f"{name} {human(getattr(settings, name).total_seconds())}" for name in WINDOWS
+    )
+    if not policies:
+        return f"no tenant policies: every tenant gets the defaults ({defaults})"
+    header = ("tenant", *WINDOWS, "updated", "by")
+    body = [
+        (
+            p.tenant_id,
+            *(_window_text(p, name, settings) for name in WINDOWS),
+            rfc3339(p.updated_at) or "",
+            p.updated_by,
+        )
+        for p in policies
+    ]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    lines = [f"{len(policies)} tenant polic{'y' if len(policies) == 1 else 'ies'}"
+             f" (defaults: {defaults})"]  # fmt: skip
+    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+              for line in [header, *body]]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -375,5 +375,35 @@ class Queries:
     def resume_phases(self, phases: list[str]) -> list[Row]:
         return list(_run(self.conn, "resume_phases", phases=phases))
 
+    def set_tenant_policy(
+        self,
+        tenant_id: str,
+        *,
+        empty_room_grace_s: float | None,
+        provision_timeout_s: float | None,
+        stale_live_timeout_s: float | None,
+        by: str,
+    ) -> Row:
+        """The given windows merged into the tenant's policy; the row as stored."""
+        return _run(
+            self.conn,
+            "set_tenant_policy",
+            tenant_id=tenant_id,
+            empty_room_grace_s=empty_room_grace_s,
+            provision_timeout_s=provision_timeout_s,
+            stale_live_timeout_s=stale_live_timeout_s,
+            by=by,
+        ).one()
+
+    def unset_tenant_policy(self, tenant_id: str) -> Row | None:
+        """The removed policy, or None when the tenant had none."""
+        return _run(self.conn, "unset_tenant_policy", tenant_id=tenant_id).one_or_none()
+
     def tenant_window_bounds(self) -> Row:
         return _run(self.conn, "tenant_window_bounds").one()
+
+    def tenant_policies(self) -> list[Row]:
+        return list(_run(self.conn, "tenant_policies"))
+
+    def tenant_policy_count(self) -> int:
+        return int(_run(self.conn, "tenant_policy_count").scalar())

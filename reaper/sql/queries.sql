@@ -796,3 +796,44 @@ RETURNING phase, reason, paused_by,
 SELECT min(empty_room_grace) AS empty_room, min(provision_timeout) AS provision_timeout,
        min(stale_live_timeout) AS stale_live
 FROM messenger.reaper_tenant_policies;
+
+-- name: set_tenant_policy
+-- reaper policy set: the given windows merged into the tenant's policy (a
+-- window not given keeps its value; a new policy has only the given ones).
+-- The row stays locked until the caller's transaction ends, which checks the
+-- merged windows against each other (reaper/control.py) and rolls back on a
+-- refusal. Windows are stored as seconds, without a day part, so that
+-- as_of - window is exact in any session time zone.
+INSERT INTO messenger.reaper_tenant_policies AS p
+    (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
+VALUES (CAST(:tenant_id AS uuid),
+        make_interval(secs => CAST(:empty_room_grace_s AS float8)),
+        make_interval(secs => CAST(:provision_timeout_s AS float8)),
+        make_interval(secs => CAST(:stale_live_timeout_s AS float8)),
+        clock_timestamp(), :by)
+ON CONFLICT (tenant_id) DO UPDATE
+SET empty_room_grace = coalesce(EXCLUDED.empty_room_grace, p.empty_room_grace),
+    provision_timeout = coalesce(EXCLUDED.provision_timeout, p.provision_timeout),
+    stale_live_timeout = coalesce(EXCLUDED.stale_live_timeout, p.stale_live_timeout),
+    updated_at = EXCLUDED.updated_at,
+    updated_by = EXCLUDED.updated_by
+RETURNING p.tenant_id::text AS tenant_id, p.empty_room_grace, p.provision_timeout,
+          p.stale_live_timeout, p.updated_at, p.updated_by;
+
+-- name: unset_tenant_policy
+-- reaper policy unset: the tenant's conferences get the defaults again.
+DELETE FROM messenger.reaper_tenant_policies
+WHERE tenant_id = CAST(:tenant_id AS uuid)
+RETURNING tenant_id::text AS tenant_id, empty_room_grace, provision_timeout,
+          stale_live_timeout, updated_at, updated_by;
+
+-- name: tenant_policies
+-- reaper policy list.
+SELECT tenant_id::text AS tenant_id, empty_room_grace, provision_timeout, stale_live_timeout,
+       updated_at, updated_by
+FROM messenger.reaper_tenant_policies
+ORDER BY tenant_id;
+
+-- name: tenant_policy_count
+-- reaper status.
+SELECT count(*) FROM messenger.reaper_tenant_policies;
