@@ -134,8 +134,10 @@ class Controls:
         stale = policy.stale_live_timeout or settings.stale_live_timeout
         if grace < stale:
             return
-        option = OPTIONS["stale_live_timeout" if "empty_room_grace" not in given
-                         and "stale_live_timeout" in given else "empty_room_grace"]  # fmt: skip
+        # name what this command changed: the grace, else the stale-live timeout
+        option = OPTIONS["empty_room_grace"]
+        if "empty_room_grace" not in given and "stale_live_timeout" in given:
+            option = OPTIONS["stale_live_timeout"]
 
         def which(own: timedelta | None, value: timedelta) -> str:
             return human(value.total_seconds()) + ("" if own else ", the default")
