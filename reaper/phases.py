@@ -15,6 +15,9 @@ from reaper.events import ConferenceAnomaly, ConferenceReaped, ConferenceRejecte
 from reaper.queries import Queries
 from reaper.recorder import StopRequest
 
+# Per phase, the shortest window any tenant policy sets (None: none does).
+Shortest = dict[str, timedelta | None]
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -39,9 +42,7 @@ class Phase:
         is eligible at or before it."""
         return as_of - self.window(settings)
 
-    def range_cutoff(
-        self, settings: Settings, as_of: datetime, shortest: dict[str, timedelta | None]
-    ) -> datetime:
+    def range_cutoff(self, settings: Settings, as_of: datetime, shortest: Shortest) -> datetime:
         """The widest cutoff: the end of the range of the phase's partial index that
         holds every conference eligible under the default or any tenant's window
         (``shortest``: tenant_windows). Each row is then held to its own cutoff."""
@@ -69,8 +70,9 @@ PHASES: dict[str, Phase] = {p.name: p for p in (EMPTY_ROOM, PROVISION_TIMEOUT, S
 ORDER: tuple[str, ...] = tuple(PHASES)
 
 
-def tenant_windows(queries: Queries) -> dict[str, timedelta | None]:
-    """Per phase, the shortest window any tenant policy sets (None: none does)."""
+def tenant_windows(queries: Queries) -> Shortest:
+    """Per phase, the shortest window any tenant policy sets (None: none does):
+    with the default, it bounds the phase's index range (Phase.range_cutoff)."""
     row = queries.tenant_window_bounds()
     return {name: getattr(row, name) for name in ORDER}
 
@@ -107,14 +109,21 @@ class BatchOutcome:
 
 
 def candidates(
-    queries: Queries, phase: Phase, settings: Settings, *, as_of: datetime, excluded: list[str]
+    queries: Queries,
+    phase: Phase,
+    settings: Settings,
+    *,
+    as_of: datetime,
+    excluded: list[str],
+    shortest: Shortest | None = None,
 ) -> list[str]:
     """The ids the next batch of ``phase`` would claim (to isolate a refused row)."""
+    shortest = tenant_windows(queries) if shortest is None else shortest
     return queries.batch_candidates(
         phase=phase.name,
         as_of=as_of,
         cutoff=phase.cutoff(settings, as_of),
-        range_cutoff=phase.range_cutoff(settings, as_of, tenant_windows(queries)),
+        range_cutoff=phase.range_cutoff(settings, as_of, shortest),
         require_empty=phase is EMPTY_ROOM,
         batch_size=settings.batch_size,
         excluded=excluded,
@@ -130,12 +139,16 @@ def reap_batch(
     run_id: str,
     excluded: list[str],
     only: list[str] | None = None,
+    shortest: Shortest | None = None,
 ) -> BatchOutcome:
-    """One batch of ``phase`` (``only``: of these rows alone)."""
+    """One batch of ``phase`` (``only``: of these rows alone). ``shortest``: the
+    shortest tenant windows (tenant_windows), read by the caller once per phase;
+    read here, in the batch's transaction, when not given."""
+    shortest = tenant_windows(queries) if shortest is None else shortest
     common = {
         "as_of": as_of,
         "cutoff": phase.cutoff(settings, as_of),
-        "range_cutoff": phase.range_cutoff(settings, as_of, tenant_windows(queries)),
+        "range_cutoff": phase.range_cutoff(settings, as_of, shortest),
         "batch_size": settings.batch_size,
         "excluded": excluded,
         "only": only,

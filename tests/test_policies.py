@@ -154,7 +154,7 @@ def test_stale_live_closes_earlier_or_later_by_the_tenants_timeout(settings, eng
                     within)  # fmt: skip
 
 
-def test_a_policy_is_read_by_every_batch_and_unset_restores_the_defaults(settings, engine):
+def test_a_policy_is_read_by_the_next_cycle_and_unset_restores_the_defaults(settings, engine):
     controls = Controls(engine, settings)
     controls.set_policy(A, empty_room_grace=timedelta(minutes=10))
     with engine.begin() as conn:

@@ -19,7 +19,8 @@
 -- written in two parts:
 --   the index range, to the WIDEST cutoff (:range_cutoff; :empty_range ... in
 --     plan_candidates): :as_of minus the shortest of the default window and
---     every tenant's (tenant_window_bounds, read just before, phases.range_cutoff).
+--     every tenant's (tenant_window_bounds, read once at the start of each
+--     phase, cycle.Reaper._drain; phases.range_cutoff).
 --     A constant, so the planner estimates the range from the statistics as it
 --     did before policies existed. (Computed in the statement, as an InitPlan,
 --     the bound is unknown when planning: with no policy at all the claim of a
@@ -30,7 +31,8 @@
 --     eligible_census and stale_live_eligible, are written for a count: see
 --     eligible_census.)
 -- A room is eligible when it passes both; the range alone only bounds the scan.
--- A policy made shorter between the two reads is applied by the next batch.
+-- A window made longer applies to every statement that starts after the change;
+-- one made shorter during a phase, from the next phase (the range is read then).
 
 -- name: try_run_lock
 -- The single-runner lock, held until the end of the calling transaction.
@@ -792,7 +794,8 @@ RETURNING phase, reason, paused_by,
 
 -- name: tenant_window_bounds
 -- The shortest window of each kind any tenant policy sets (NULL: none); with the
--- defaults they give each phase's widest cutoff (phases.range_cutoff).
+-- defaults they give each phase's widest cutoff (phases.range_cutoff). Read
+-- once per phase, and by reaper plan.
 SELECT min(empty_room_grace) AS empty_room, min(provision_timeout) AS provision_timeout,
        min(stale_live_timeout) AS stale_live
 FROM messenger.reaper_tenant_policies;
