@@ -8,7 +8,8 @@ It seeds its own databases (``reaper_bench`` and ``reaper_bench_quiet`` by
 default: dropped and re-created, migrated with ``reaper.db.migrate``), measures
 every figure against its baseline in the same run, and prints one table:
 figure, reaper, baseline, ratio, goal, pass/fail. ``--json PATH`` also writes
-the rows (and the raw numbers) as JSON.
+the rows (and the raw numbers) as JSON. Both databases hold ``--policies N``
+tenant policies (default 1000, ``0`` for none; bench/seed.py POLICIES).
 """
 
 from __future__ import annotations
@@ -185,7 +186,9 @@ def quiet_figure(
     )
 
 
-def live_figure(database: str, sizes: Sizes, as_of: datetime, raw: dict, drop: bool) -> Row:
+def live_figure(
+    database: str, sizes: Sizes, as_of: datetime, raw: dict, drop: bool, policies: int
+) -> Row:
     """The quiet cycle among many live rooms (Active, occupied, recently active):
     it must cost what the eligible rows cost, not what the live ones do."""
     big_url, small_url = f"{PG}/{database}_live", f"{PG}/{database}_live_small"
@@ -193,6 +196,8 @@ def live_figure(database: str, sizes: Sizes, as_of: datetime, raw: dict, drop: b
     for url, count in ((big_url, sizes.live_big), (small_url, sizes.quiet_small)):
         seed.recreate(url)
         seed.seed_live(url, count, as_of)
+        if policies:
+            seed.seed_policies(url, policies)
     say(f"seeded {sizes.live_big:,} and {sizes.quiet_small:,} live rooms"
         f" in {time.perf_counter() - started:.1f}s")  # fmt: skip
     try:
@@ -319,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", default="drain,quiet,live,once,memory,relay,e2e", help="comma-separated figures"
     )
+    parser.add_argument(
+        "--policies",
+        type=int,
+        default=1000,
+        help="tenant policies in both seeded databases (default 1000; 0: none)",
+    )
     args = parser.parse_args(argv)
     if not args.database.startswith("reaper_bench"):
         parser.error("--database must start with reaper_bench (it is dropped and re-created)")
@@ -328,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     big_url = f"{PG}/{args.database}"
     small_url = f"{PG}/{args.database}_quiet"
     as_of = datetime.now(UTC).replace(microsecond=0)
-    raw: dict = {"sizes": asdict(sizes), "mode": size_name, "as_of": as_of.isoformat()}
+    raw: dict = {
+        "sizes": asdict(sizes),
+        "mode": size_name,
+        "as_of": as_of.isoformat(),
+        "policies": args.policies,
+    }
     rows: list[Row] = []
     workdir = Path(tempfile.mkdtemp(prefix="reaper-bench-"))
     drain.log_to(workdir / "reaper-in-process.log")
@@ -340,11 +356,17 @@ def main(argv: list[str] | None = None) -> int:
         seed.seed_history(big_url, sizes.history, as_of, live=live)
         seed.recreate(small_url)
         seed.seed_history(small_url, sizes.quiet_small, as_of, live=live)
-        say(f"seeded history in {time.perf_counter() - started:.1f}s")
+        if args.policies:
+            seed.seed_policies(big_url, args.policies)
+            seed.seed_policies(small_url, args.policies)
+        say(f"seeded history and {args.policies:,} tenant policies in"
+            f" {time.perf_counter() - started:.1f}s")  # fmt: skip
         if "quiet" in only:
             rows.append(quiet_figure(big_url, small_url, sizes, as_of, raw).settle())
         if "live" in only:
-            rows.append(live_figure(args.database, sizes, as_of, raw, drop=args.drop).settle())
+            rows.append(live_figure(
+                args.database, sizes, as_of, raw, drop=args.drop, policies=args.policies
+            ).settle())
         if "once" in only:
             rows.append(reap_once_figure(big_url, raw))
         seed.seed_eligible(big_url, sizes.eligible, as_of)
@@ -362,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             seed.drop(small_url)
     print(
         f"\nreaper bench ({size_name}: {sizes.eligible:,} eligible behind {sizes.history:,}"
-        f" finished; quiet {sizes.history:,} vs {sizes.quiet_small:,}; relay {sizes.relay:,})"
+        f" finished; quiet {sizes.history:,} vs {sizes.quiet_small:,}; relay {sizes.relay:,};"
+        f" {args.policies:,} tenant policies)"
     )
     print(table(rows))
     for row in rows:

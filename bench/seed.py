@@ -116,6 +116,42 @@ FROM bench.sessions s
 WHERE mod(s.g, 5) = 0 AND s.status = 'Active';
 """
 
+# Tenant policies (docs/design.md#windows-per-tenant), so that the drain and the
+# quiet cycle are measured with them. The first 500 are the tenants of the
+# eligible rooms, with windows shorter and longer than the defaults that still
+# leave every seeded room eligible at the bench's as_of (empty rooms idle 3 min
+# or more: grace 30 s or 150 s; provisioning for 3 min or more: 60 s or 170 s;
+# stale for 5 h or more: 1 h, 2 h or 4 h 30 min), so the reaper and the
+# baseline (which knows nothing of policies) still do the same work; the
+# shortest windows widen every phase's index range. The others are tenants of
+# the live rooms and tenants without rooms, with longer windows (up to 7 days).
+# Windows as seconds, as `reaper policy set` stores them.
+POLICIES = """
+INSERT INTO messenger.reaper_tenant_policies
+    (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
+SELECT t.tenant,
+       make_interval(secs => CASE mod(g, 3) WHEN 0 THEN t.short_grace WHEN 1 THEN t.long_grace END),
+       make_interval(secs => CASE mod(g, 4) WHEN 0 THEN t.short_provision
+                                            WHEN 1 THEN t.long_provision END),
+       make_interval(secs => CASE WHEN mod(g, 5) = 0 THEN t.short_stale
+                                  WHEN mod(g, 5) = 1 THEN t.long_stale
+                                  WHEN mod(g, 3) = 2 AND mod(g, 4) >= 2 THEN t.other_stale END),
+       now(), 'bench'
+FROM generate_series(1, %(count)s) g
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN g <= 500 THEN md5('et' || (g - 1))::uuid
+                WHEN g <= 1000 THEN md5('lt' || (g - 501))::uuid
+                ELSE md5('pt' || g)::uuid END AS tenant,
+           CASE WHEN g <= 500 THEN 30 ELSE 600 END AS short_grace,
+           CASE WHEN g <= 500 THEN 150 ELSE 3600 END AS long_grace,
+           CASE WHEN g <= 500 THEN 60 ELSE 600 END AS short_provision,
+           CASE WHEN g <= 500 THEN 170 ELSE 86400 END AS long_provision,
+           CASE WHEN g <= 500 THEN 3600 ELSE 6 * 3600 END AS short_stale,
+           CASE WHEN g <= 500 THEN 4.5 * 3600 ELSE 7 * 86400 END AS long_stale,
+           CASE WHEN g <= 500 THEN 2 * 3600 ELSE 12 * 3600 END AS other_stale
+) t
+"""
+
 RESET_ELIGIBLE = f"""
 SET session_replication_role = replica;
 TRUNCATE messenger.integration_outbox, messenger.realtime_outbox RESTART IDENTITY;
@@ -148,6 +184,7 @@ TABLES = (
     "messenger.call_recordings",
     "messenger.integration_outbox",
     "messenger.realtime_outbox",
+    "messenger.reaper_tenant_policies",
 )
 
 
@@ -218,6 +255,15 @@ def seed_live(url: str, count: int, as_of: datetime) -> None:
     conn = connect(url)
     with conn, conn.cursor() as cur:
         seed_live_rooms(cur, count, as_of)
+    conn.close()
+    vacuum(url)
+
+
+def seed_policies(url: str, count: int) -> None:
+    """``count`` tenant policies (see POLICIES)."""
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute(POLICIES, {"count": count})
     conn.close()
     vacuum(url)
 

@@ -176,6 +176,78 @@ def cmd_resume(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _windows(args: argparse.Namespace) -> dict[str, Any] | str:
+    """The windows given to ``policy set``, parsed as the environment's are;
+    or why one is refused."""
+    from reaper.config import parse_duration
+    from reaper.control import OPTIONS
+
+    windows: dict[str, Any] = {}
+    for name, option in OPTIONS.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        try:
+            windows[name] = parse_duration(value)
+        except ValueError as exc:
+            return f"{option}: {exc}"
+    return windows
+
+
+def cmd_policy_set(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper.control import PolicyRefused
+    from reaper.overview import format_policy
+
+    windows = _windows(args)
+    if isinstance(windows, str):
+        return _refuse(windows)
+    try:
+        fact = _controls(settings).set_policy(args.tenant, **windows)
+    except PolicyRefused as exc:
+        return _refuse(str(exc))
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    print(f"set the policy of tenant {format_policy(fact, settings)} (by {fact.updated_by})")
+    return 0
+
+
+def cmd_policy_unset(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper.control import PolicyRefused
+    from reaper.overview import format_policy
+
+    try:
+        fact = _controls(settings).unset_policy(args.tenant)
+    except PolicyRefused as exc:
+        return _refuse(str(exc))
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    if fact is None:
+        print(f"tenant {args.tenant} has no policy: nothing changed")
+        return 1
+    print(f"removed the policy of tenant {format_policy(fact, settings)}; it gets the defaults")
+    return 0
+
+
+def cmd_policy_list(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper.overview import format_policies, policies_json
+
+    try:
+        policies = _controls(settings).policies()
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    if args.json:
+        print(json.dumps(policies_json(policies), sort_keys=True))
+    else:
+        print(format_policies(policies, settings))
+    return 0
+
+
 def cmd_outbox_parked(settings: Settings, args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -267,6 +339,34 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="end a pause (all phases without --phase)")
     resume.add_argument("--phase", choices=phases, help="one phase (default: all three)")
     resume.set_defaults(handler=cmd_resume)
+
+    policy = sub.add_parser(
+        "policy", help="windows per tenant: a tenant's own grace and timeouts (set, unset, list)"
+    )
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    policy_set = policy_sub.add_parser(
+        "set",
+        help="set a tenant's windows (merged into its policy: a window not given keeps its value)",
+    )
+    policy_set.add_argument("--tenant", required=True, metavar="UUID", help="the tenant id")
+    for option, name, what in (
+        ("--empty-room-grace", "empty_room_grace", "empty_room"),
+        ("--provision-timeout", "provision_timeout", "provision_timeout"),
+        ("--stale-live-timeout", "stale_live_timeout", "stale_live"),
+    ):
+        policy_set.add_argument(
+            option, dest=name, metavar="DURATION",
+            help=f"the tenant's {what} window (90, PT10M; at most 7 days)",
+        )  # fmt: skip
+    policy_set.set_defaults(handler=cmd_policy_set)
+    policy_unset = policy_sub.add_parser(
+        "unset", help="remove a tenant's policy: its conferences get the defaults again"
+    )
+    policy_unset.add_argument("--tenant", required=True, metavar="UUID", help="the tenant id")
+    policy_unset.set_defaults(handler=cmd_policy_unset)
+    policy_list = policy_sub.add_parser("list", help="the tenant policies")
+    policy_list.add_argument("--json", action="store_true", help="print JSON")
+    policy_list.set_defaults(handler=cmd_policy_list)
 
     outbox = sub.add_parser("outbox", help="integration events Kafka refused: list, requeue")
     outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)

@@ -1,22 +1,37 @@
-"""The operator's controls: pause and resume phases, requeue parked events.
+"""The operator's controls: pause and resume phases, windows per tenant, requeue
+parked events.
 
-Everything lives in PostgreSQL, so every replica sees a change at its next
-phase (a phase reads its pause under the run's lock). Each change is told as a
-fact (``control.paused``, ``control.resumed``, ``outbox.requeued`` in the log).
-See docs/design.md#operator-controls.
+Everything lives in PostgreSQL, so every replica sees a change at once: a
+phase reads its pause under the run's lock at its start, and every phase
+statement reads the tenant policies itself. Each change is told as a fact
+(``control.paused``, ``control.resumed``, ``control.policy_set``,
+``control.policy_unset``, ``outbox.requeued`` in the log).
+See docs/design.md#operator-controls and docs/design.md#windows-per-tenant.
 """
 
 from __future__ import annotations
 
 import getpass
-from datetime import timedelta
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Engine
 
 from reaper import budgets
+from reaper.clock import human
 from reaper.config import Settings
 from reaper.db import transaction
-from reaper.events import Bus, OutboxRequeued, Paused, Resumed, process_bus
+from reaper.events import (
+    Bus,
+    OutboxRequeued,
+    Paused,
+    PolicySet,
+    PolicyUnset,
+    Resumed,
+    process_bus,
+)
 from reaper.phases import ORDER
 
 
@@ -65,12 +80,166 @@ class Controls:
             self.bus.emit(fact)
         return facts
 
+    # -- windows per tenant (docs/design.md#windows-per-tenant) ----------------
+
+    def set_policy(
+        self,
+        tenant_id: str,
+        *,
+        empty_room_grace: timedelta | None = None,
+        provision_timeout: timedelta | None = None,
+        stale_live_timeout: timedelta | None = None,
+    ) -> PolicySet:
+        """Merge the given windows into the tenant's policy (a window not given keeps
+        its value). Refused (:class:`PolicyRefused`, nothing changed) unless each is
+        positive and at most 7 days, and the tenant's effective empty-room grace stays
+        below its effective stale-live timeout, as the environment's must."""
+        tenant = tenant_uuid(tenant_id)
+        given = {
+            name: value
+            for name, value in (
+                ("empty_room_grace", empty_room_grace),
+                ("provision_timeout", provision_timeout),
+                ("stale_live_timeout", stale_live_timeout),
+            )
+            if value is not None
+        }
+        if not given:
+            raise PolicyRefused("policy set", f"give at least one of {', '.join(OPTIONS.values())}")
+        for name, value in given.items():
+            check_window(OPTIONS[name], value)
+        by = operator(self.settings)
+        seconds = {f"{name}_s": None for name in OPTIONS}
+        seconds.update({f"{name}_s": value.total_seconds() for name, value in given.items()})
+        with transaction(self.engine, budgets.quick()) as queries:
+            row = queries.set_tenant_policy(tenant, **seconds, by=by)
+            # Checked on the merged row, locked until the commit: two operators
+            # setting the two windows at once cannot make them cross. Raising
+            # rolls the change back.
+            self._coherent(TenantPolicy.from_row(row), given)
+        fact = PolicySet(
+            row.tenant_id,
+            row.empty_room_grace,
+            row.provision_timeout,
+            row.stale_live_timeout,
+            row.updated_at,
+            row.updated_by,
+        )
+        self.bus.emit(fact)
+        return fact
+
+    def _coherent(self, policy: TenantPolicy, given: dict[str, timedelta]) -> None:
+        settings = self.settings
+        grace = policy.empty_room_grace or settings.empty_room_grace
+        stale = policy.stale_live_timeout or settings.stale_live_timeout
+        if grace < stale:
+            return
+        # name what this command changed: the grace, else the stale-live timeout
+        option = OPTIONS["empty_room_grace"]
+        if "empty_room_grace" not in given and "stale_live_timeout" in given:
+            option = OPTIONS["stale_live_timeout"]
+
+        def which(own: timedelta | None, value: timedelta) -> str:
+            return human(value.total_seconds()) + ("" if own else ", the default")
+
+        raise PolicyRefused(
+            option,
+            f"the tenant's empty-room grace ({which(policy.empty_room_grace, grace)}) must be "
+            f"below its stale-live timeout ({which(policy.stale_live_timeout, stale)})",
+        )
+
+    def unset_policy(self, tenant_id: str) -> PolicyUnset | None:
+        """Remove the tenant's policy; None when it had none."""
+        tenant = tenant_uuid(tenant_id)
+        with transaction(self.engine, budgets.quick()) as queries:
+            row = queries.unset_tenant_policy(tenant)
+        if row is None:
+            return None
+        fact = PolicyUnset(
+            row.tenant_id,
+            row.empty_room_grace,
+            row.provision_timeout,
+            row.stale_live_timeout,
+            operator(self.settings),
+        )
+        self.bus.emit(fact)
+        return fact
+
+    def policies(self) -> list[TenantPolicy]:
+        with transaction(self.engine, budgets.read()) as queries:
+            return [TenantPolicy.from_row(row) for row in queries.tenant_policies()]
+
     def requeue(self, event_id: str | None) -> int:
         """Parked outbox rows back to pending (one, or all with None); how many."""
         with transaction(self.engine, budgets.quick()) as queries:
             count = queries.requeue_outbox(event_id)
         self.bus.emit(OutboxRequeued(count, event_id, operator(self.settings)))
         return count
+
+
+# The windows a tenant policy may set, by column, and the option that sets each.
+OPTIONS = {
+    "empty_room_grace": "--empty-room-grace",
+    "provision_timeout": "--provision-timeout",
+    "stale_live_timeout": "--stale-live-timeout",
+}
+# The table's own check (migration 0008) holds the same bound.
+MAX_WINDOW = timedelta(days=7)
+
+
+class PolicyRefused(ValueError):
+    """A tenant policy that cannot be stored; one line naming the option."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+def check_window(option: str, value: timedelta) -> None:
+    if value <= timedelta(0):
+        raise PolicyRefused(
+            option, f"must be a positive duration (got {value.total_seconds():g} s)"
+        )
+    if value > MAX_WINDOW:
+        raise PolicyRefused(option, f"must be at most 7 days (got {human(value.total_seconds())})")
+
+
+def tenant_uuid(value: str) -> str:
+    """The tenant id in canonical form; refused unless a UUID."""
+    try:
+        return str(uuid.UUID(value))
+    except (ValueError, AttributeError, TypeError):
+        raise PolicyRefused("--tenant", f"{value!r} is not a UUID") from None
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """A row of messenger.reaper_tenant_policies; a window None is the default."""
+
+    tenant_id: str
+    empty_room_grace: timedelta | None
+    provision_timeout: timedelta | None
+    stale_live_timeout: timedelta | None
+    updated_at: datetime
+    updated_by: str
+
+    @classmethod
+    def from_row(cls, row: Any) -> TenantPolicy:
+        return cls(
+            str(row.tenant_id),
+            row.empty_room_grace,
+            row.provision_timeout,
+            row.stale_live_timeout,
+            row.updated_at,
+            row.updated_by,
+        )
+
+    def window(self, name: str) -> timedelta | None:
+        return getattr(self, name)
+
+    def seconds(self, name: str) -> float | None:
+        window = self.window(name)
+        return None if window is None else window.total_seconds()
 
 
 def _phases(phases: list[str] | None) -> list[str]:

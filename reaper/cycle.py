@@ -45,7 +45,16 @@ from reaper.events import (
     PhaseFailed,
     process_bus,
 )
-from reaper.phases import ORDER, PHASES, BatchOutcome, Phase, candidates, reap_batch
+from reaper.phases import (
+    ORDER,
+    PHASES,
+    BatchOutcome,
+    Phase,
+    Shortest,
+    candidates,
+    reap_batch,
+    tenant_windows,
+)
 from reaper.runs import COUNT_KEYS, Run, Runs, Start, unowned_result
 
 
@@ -229,7 +238,9 @@ class Reaper:
         share, floor = self.settings.mass_closure_share, self.settings.mass_closure_floor
         with transaction(self.engine, budgets.batch(self.settings)) as queries:
             eligible = queries.stale_live_eligible(
-                cutoff=phase.cutoff(self.settings, run.as_of), excluded=run.excluded_now()
+                as_of=run.as_of,
+                cutoff=phase.cutoff(self.settings, run.as_of),
+                excluded=run.excluded_now(),
             )
             # Counting every live room costs what the live rooms cost: only when it can matter.
             active = queries.active_count() if eligible > floor else 0
@@ -241,7 +252,9 @@ class Reaper:
         )  # fmt: skip
         return not self.allow_mass_closure
 
-    def _batch(self, phase: Phase, run: Run, only: list[str] | None = None) -> BatchOutcome:
+    def _batch(
+        self, phase: Phase, run: Run, shortest: Shortest, only: list[str] | None = None
+    ) -> BatchOutcome:
         """One batch, one transaction; poison rows are left out for the rest of the cycle."""
         with transaction(self.engine, budgets.batch(self.settings)) as queries:
             outcome = reap_batch(
@@ -252,13 +265,16 @@ class Reaper:
                 run_id=run.run_id,
                 excluded=run.excluded_now(),
                 only=only,
+                shortest=shortest,
             )
             # Before the commit: a lane whose batch starts after it leaves them out.
             fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
             outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]
         return outcome
 
-    def _isolate(self, phase: Phase, run: Run, ids: list[str], refused: DBAPIError) -> BatchOutcome:
+    def _isolate(
+        self, phase: Phase, run: Run, shortest: Shortest, ids: list[str], refused: DBAPIError
+    ) -> BatchOutcome:
         """The database refused a batch: the same batch in halves, each its own
         transaction, until the row it refuses is alone. That row is poison (left
         out for the cycle, counted, logged); every other row commits."""
@@ -274,11 +290,11 @@ class Reaper:
         outcome = BatchOutcome()
         for half in halves:
             try:
-                part = self._batch(phase, run, only=half)
+                part = self._batch(phase, run, shortest, only=half)
             except DBAPIError as exc:
                 if not refused_by_database(exc):
                     raise
-                part = self._isolate(phase, run, half, exc)
+                part = self._isolate(phase, run, shortest, half, exc)
             outcome = outcome.merge(part)
         return outcome
 
@@ -287,19 +303,26 @@ class Reaper:
         settings = self.settings
         locked = SkippedLocked(settings.drain_lanes)
         reaped = rejected = 0
+        # The shortest tenant windows bound every batch's index range: read once
+        # per phase, as its pause is (a window made shorter meanwhile applies from
+        # the next phase; a longer one at once: each row's own window is read by
+        # the batch statement itself). docs/design.md#windows-per-tenant
+        with transaction(self.engine, budgets.batch(settings)) as queries:
+            shortest = tenant_windows(queries)
 
         def batch() -> tuple[BatchOutcome, int, int]:
             began = time.time_ns()
             try:
-                outcome = self._batch(phase, run)
+                outcome = self._batch(phase, run, shortest)
             except DBAPIError as exc:
                 if not refused_by_database(exc):
                     raise
                 with transaction(self.engine, budgets.batch(settings)) as queries:
                     ids = candidates(
-                        queries, phase, settings, as_of=run.as_of, excluded=run.excluded_now()
-                    )
-                outcome = self._isolate(phase, run, ids, exc)
+                        queries, phase, settings, as_of=run.as_of, excluded=run.excluded_now(),
+                        shortest=shortest,
+                    )  # fmt: skip
+                outcome = self._isolate(phase, run, shortest, ids, exc)
                 outcome.candidates = len(ids)
             locked.add(
                 [r.conference_id for r in outcome.reaped]

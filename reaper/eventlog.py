@@ -9,6 +9,7 @@ Fields are ids, enums and counts, never names or tokens.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from reaper.clock import rfc3339, rfc3339_or_none
 from reaper.events import (
@@ -27,6 +28,8 @@ from reaper.events import (
     Paused,
     PhaseCompleted,
     PhaseFailed,
+    PolicySet,
+    PolicyUnset,
     RelayPassCompleted,
     Resumed,
 )
@@ -62,6 +65,8 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(Paused, paused)
     bus.subscribe(Resumed, resumed)
     bus.subscribe(OutboxRequeued, outbox_requeued)
+    bus.subscribe(PolicySet, policy_set)
+    bus.subscribe(PolicyUnset, policy_unset)
 
 
 def cycle_started(fact: CycleStarted) -> None:
@@ -280,4 +285,35 @@ def outbox_requeued(fact: OutboxRequeued) -> None:
         count=fact.count,
         event_id=fact.event_id,
         requeued_by=fact.requeued_by,
+    )
+
+
+def _seconds(window: timedelta | None) -> float | None:
+    return None if window is None else window.total_seconds()
+
+
+def policy_set(fact: PolicySet) -> None:
+    log(
+        control_logger,
+        "control.policy_set",
+        level=logging.WARNING,
+        tenant_id=fact.tenant_id,
+        empty_room_grace_seconds=_seconds(fact.empty_room_grace),
+        provision_timeout_seconds=_seconds(fact.provision_timeout),
+        stale_live_timeout_seconds=_seconds(fact.stale_live_timeout),
+        updated_at=rfc3339(fact.updated_at),
+        updated_by=fact.updated_by,
+    )
+
+
+def policy_unset(fact: PolicyUnset) -> None:
+    log(
+        control_logger,
+        "control.policy_unset",
+        level=logging.WARNING,
+        tenant_id=fact.tenant_id,
+        empty_room_grace_seconds=_seconds(fact.empty_room_grace),
+        provision_timeout_seconds=_seconds(fact.provision_timeout),
+        stale_live_timeout_seconds=_seconds(fact.stale_live_timeout),
+        unset_by=fact.unset_by,
     )

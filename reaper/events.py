@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from reaper.errors import describe
@@ -263,6 +263,30 @@ class Resumed:
     phase: str
     reason: str  # of the pause that ended
     resumed_by: str
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySet:
+    """A tenant's windows as stored after ``reaper policy set`` (None: the default)."""
+
+    tenant_id: str
+    empty_room_grace: timedelta | None
+    provision_timeout: timedelta | None
+    stale_live_timeout: timedelta | None
+    updated_at: datetime
+    updated_by: str
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyUnset:
+    """A tenant's policy removed: its conferences get the defaults again."""
+
+    tenant_id: str
+    # the windows it had
+    empty_room_grace: timedelta | None
+    provision_timeout: timedelta | None
+    stale_live_timeout: timedelta | None
+    unset_by: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""What the operator sees: ``reaper status``, ``reaper plan`` and the database gauges.
+"""What the operator sees: ``reaper status``, ``reaper plan``, ``reaper policy list``
+and the database gauges.
 
 Read-only. The census and the plan use the phases' own predicates and phase
 order (``eligible_census`` / ``plan_candidates`` in ``sql/queries.sql``), and
@@ -19,11 +20,12 @@ from reaper import budgets
 from reaper.clock import human
 from reaper.clock import rfc3339_or_none as rfc3339
 from reaper.config import Settings
+from reaper.control import TenantPolicy
 from reaper.db import transaction
 from reaper.errors import describe
 from reaper.events import GaugesMeasured
 from reaper.logs import get_logger, log
-from reaper.phases import ORDER, PHASES, Phase
+from reaper.phases import ORDER, PHASES, Phase, tenant_windows
 from reaper.queries import Queries
 
 logger = get_logger("overview")
@@ -34,11 +36,22 @@ def safe_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+SHORT = {"empty_room": "empty", "provision_timeout": "provision", "stale_live": "stale"}
+
+
 def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
+    """Per phase the default cutoff."""
     return {
-        "empty_cutoff": PHASES["empty_room"].cutoff(settings, as_of),
-        "provision_cutoff": PHASES["provision_timeout"].cutoff(settings, as_of),
-        "stale_cutoff": PHASES["stale_live"].cutoff(settings, as_of),
+        f"{short}_cutoff": PHASES[name].cutoff(settings, as_of) for name, short in SHORT.items()
+    }
+
+
+def ranges(queries: Queries, settings: Settings, as_of: datetime) -> dict[str, datetime]:
+    """Per phase the widest cutoff, the end of its index range (plan_candidates)."""
+    shortest = tenant_windows(queries)
+    return {
+        f"{short}_range": PHASES[name].range_cutoff(settings, as_of, shortest)
+        for name, short in SHORT.items()
     }
 
 
@@ -104,6 +117,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
         activity = queries.backend_activity(pid) if pid is not None else None
         runs = queries.last_runs()
         pauses = queries.active_pauses()
+        tenant_policies = queries.tenant_policy_count()
     lock: dict[str, Any] = {"held": pid is not None, "holder_pid": pid}
     if activity is not None:
         lock["holder"] = {
@@ -131,6 +145,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
             "parked": parked,
         },
         "lock": lock,
+        "tenant_policies": tenant_policies,
         "run": _runs(runs),
         "paused": [
             {
@@ -198,6 +213,11 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"{'run lock':<18} held by backend pid {pid} ({detail}{since})")
     else:
         lines.append(f"{'run lock':<18} free")
+    if data["tenant_policies"]:
+        lines.append(
+            f"{'tenant policies':<18} {data['tenant_policies']:>8}  own windows replace the"
+            " defaults for those tenants (reaper policy list)"
+        )
     for pause in data["paused"]:
         until = f"until {pause['until']}" if pause["until"] else "until resumed"
         lines.append(
@@ -222,17 +242,20 @@ def format_status(data: dict[str, Any]) -> str:
 # -- reaper plan -------------------------------------------------------------
 
 
-def _reason(phase: Phase, row: Any, settings: Settings, as_of: datetime) -> str:
-    window = human(phase.window(settings).total_seconds())
+def _reason(phase: Phase, row: Any, window: timedelta, as_of: datetime) -> str:
+    """Why the room is eligible; its window is its tenant's when a policy sets one."""
+    window_text = human(window.total_seconds())
+    if row.tenant_window is not None:
+        window_text += ", tenant policy"
     if phase.name == "provision_timeout":
         age = human((as_of - row.created_at).total_seconds())
-        return f"Provisioning for {age} (timeout {window})"
+        return f"Provisioning for {age} (timeout {window_text})"
     idle = human((as_of - row.last_activity_at).total_seconds())
     if phase.name == "empty_room":
-        return f"empty, no activity for {idle} (grace {window})"
+        return f"empty, no activity for {idle} (grace {window_text})"
     return (
         f"no presence activity for {idle} with {row.active_participant_count} "
-        f"participant(s) (timeout {window})"
+        f"participant(s) (timeout {window_text})"
     )
 
 
@@ -243,7 +266,12 @@ def plan(
     with transaction(engine, budgets.read()) as queries:
         as_of = as_of or queries.database_clock()
         counted = census(queries, settings, as_of)
-        rows = queries.plan_candidates(as_of=as_of, per_phase=per_phase, **cutoffs(settings, as_of))
+        rows = queries.plan_candidates(
+            as_of=as_of,
+            per_phase=per_phase,
+            **cutoffs(settings, as_of),
+            **ranges(queries, settings, as_of),
+        )
         active = queries.active_count()
         paused = {row.phase: row.reason for row in queries.active_pauses()}
     phases: dict[str, dict[str, Any]] = {}
@@ -270,6 +298,7 @@ def plan(
         stale["would_close"] = 0
     for row in rows:
         phase = PHASES[row.phase]
+        window = row.tenant_window or phase.window(settings)
         phases[row.phase]["conferences"].append(
             {
                 "conference_id": str(row.conference_id),
@@ -277,7 +306,9 @@ def plan(
                 "deal_id": str(row.deal_id),
                 "tenant_id": str(row.tenant_id),
                 "status": row.status,
-                "reason": _reason(phase, row, settings, as_of),
+                "reason": _reason(phase, row, window, as_of),
+                "window_seconds": window.total_seconds(),
+                "tenant_policy": row.tenant_window is not None,
                 "last_activity_at": rfc3339(row.last_activity_at),
                 "created_at": rfc3339(row.created_at),
                 "active_participant_count": row.active_participant_count,
@@ -305,6 +336,63 @@ def format_plan(data: dict[str, Any]) -> str:
         if p["truncated"]:
             lines.append(f"  ... {p['eligible'] - len(p['conferences'])} more (--limit)")
     lines.append(f"\ntotal: {data['would_close']} would close")
+    return "\n".join(lines)
+
+
+# -- reaper policy -----------------------------------------------------------
+
+
+WINDOWS = ("empty_room_grace", "provision_timeout", "stale_live_timeout")
+
+
+def _window_text(policy: Any, name: str, settings: Settings) -> str:
+    own = getattr(policy, name)
+    if own is not None:
+        return human(own.total_seconds())
+    return f"default ({human(getattr(settings, name).total_seconds())})"
+
+
+def format_policy(policy: Any, settings: Settings) -> str:
+    """``TENANT: empty_room_grace 10m, provision_timeout default (2m), ...`` of a
+    policy, a PolicySet or a PolicyUnset."""
+    windows = ", ".join(f"{name} {_window_text(policy, name, settings)}" for name in WINDOWS)
+    return f"{policy.tenant_id}: {windows}"
+
+
+def policies_json(policies: list[TenantPolicy]) -> list[dict[str, Any]]:
+    """Each window in seconds, null where the tenant gets the default."""
+    return [
+        {
+            "tenant_id": p.tenant_id,
+            **{f"{name}_seconds": p.seconds(name) for name in WINDOWS},
+            "updated_at": rfc3339(p.updated_at),
+            "updated_by": p.updated_by,
+        }
+        for p in policies
+    ]
+
+
+def format_policies(policies: list[TenantPolicy], settings: Settings) -> str:
+    defaults = ", ".join(
+        f"{name} {human(getattr(settings, name).total_seconds())}" for name in WINDOWS
+    )
+    if not policies:
+        return f"no tenant policies: every tenant gets the defaults ({defaults})"
+    header = ("tenant", *WINDOWS, "updated", "by")
+    body = [
+        (
+            p.tenant_id,
+            *(_window_text(p, name, settings) for name in WINDOWS),
+            rfc3339(p.updated_at) or "",
+            p.updated_by,
+        )
+        for p in policies
+    ]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    lines = [f"{len(policies)} tenant polic{'y' if len(policies) == 1 else 'ies'}"
+             f" (defaults: {defaults})"]  # fmt: skip
+    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+              for line in [header, *body]]  # fmt: skip
     return "\n".join(lines)
 
 

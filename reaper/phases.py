@@ -15,6 +15,9 @@ from reaper.events import ConferenceAnomaly, ConferenceReaped, ConferenceRejecte
 from reaper.queries import Queries
 from reaper.recorder import StopRequest
 
+# Per phase, the shortest window any tenant policy sets (None: none does).
+Shortest = dict[str, timedelta | None]
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -26,29 +29,52 @@ class Phase:
     # the mass-closure guard applies (cycle.Reaper): a presence outage looks like this
     guarded: bool = False
 
+    # the column of messenger.reaper_tenant_policies (and of Settings) that holds
+    # a tenant's own window for this phase (docs/design.md#windows-per-tenant)
+    window_name: str = ""
+
     def window(self, settings: Settings) -> timedelta:
-        return {
-            "empty_room": settings.empty_room_grace,
-            "provision_timeout": settings.provision_timeout,
-            "stale_live": settings.stale_live_timeout,
-        }[self.name]
+        """The default window; a tenant's policy replaces it for its conferences."""
+        return getattr(settings, self.window_name)
 
     def cutoff(self, settings: Settings, as_of: datetime) -> datetime:
+        """The default cutoff: a conference of a tenant without a window of its own
+        is eligible at or before it."""
         return as_of - self.window(settings)
 
+    def range_cutoff(self, settings: Settings, as_of: datetime, shortest: Shortest) -> datetime:
+        """The widest cutoff: the end of the range of the phase's partial index that
+        holds every conference eligible under the default or any tenant's window
+        (``shortest``: tenant_windows). Each row is then held to its own cutoff."""
+        window = self.window(settings)
+        tenant = shortest.get(self.name)
+        return as_of - (min(window, tenant) if tenant is not None else window)
 
-EMPTY_ROOM = Phase("empty_room", "empty_timeout", "empty_timeout_count", "Ended", "EmptyTimeout")
+
+EMPTY_ROOM = Phase(
+    "empty_room", "empty_timeout", "empty_timeout_count", "Ended", "EmptyTimeout",
+    window_name="empty_room_grace",
+)  # fmt: skip
 PROVISION_TIMEOUT = Phase(
-    "provision_timeout", "provision_failed", "provision_failed_count", "Failed", "Error"
-)
+    "provision_timeout", "provision_failed", "provision_failed_count", "Failed", "Error",
+    window_name="provision_timeout",
+)  # fmt: skip
 STALE_LIVE = Phase(
-    "stale_live", "stale_timeout", "stale_timeout_count", "Ended", "Timeout", guarded=True
-)
+    "stale_live", "stale_timeout", "stale_timeout_count", "Ended", "Timeout", guarded=True,
+    window_name="stale_live_timeout",
+)  # fmt: skip
 
 # A transition is terminal, so a room closed by an earlier phase is invisible to
 # the later ones; this order is the spec's.
 PHASES: dict[str, Phase] = {p.name: p for p in (EMPTY_ROOM, PROVISION_TIMEOUT, STALE_LIVE)}
 ORDER: tuple[str, ...] = tuple(PHASES)
+
+
+def tenant_windows(queries: Queries) -> Shortest:
+    """Per phase, the shortest window any tenant policy sets (None: none does):
+    with the default, it bounds the phase's index range (Phase.range_cutoff)."""
+    row = queries.tenant_window_bounds()
+    return {name: getattr(row, name) for name in ORDER}
 
 
 @dataclass
@@ -83,12 +109,21 @@ class BatchOutcome:
 
 
 def candidates(
-    queries: Queries, phase: Phase, settings: Settings, *, as_of: datetime, excluded: list[str]
+    queries: Queries,
+    phase: Phase,
+    settings: Settings,
+    *,
+    as_of: datetime,
+    excluded: list[str],
+    shortest: Shortest | None = None,
 ) -> list[str]:
     """The ids the next batch of ``phase`` would claim (to isolate a refused row)."""
+    shortest = tenant_windows(queries) if shortest is None else shortest
     return queries.batch_candidates(
         phase=phase.name,
+        as_of=as_of,
         cutoff=phase.cutoff(settings, as_of),
+        range_cutoff=phase.range_cutoff(settings, as_of, shortest),
         require_empty=phase is EMPTY_ROOM,
         batch_size=settings.batch_size,
         excluded=excluded,
@@ -104,11 +139,16 @@ def reap_batch(
     run_id: str,
     excluded: list[str],
     only: list[str] | None = None,
+    shortest: Shortest | None = None,
 ) -> BatchOutcome:
-    """One batch of ``phase`` (``only``: of these rows alone)."""
+    """One batch of ``phase`` (``only``: of these rows alone). ``shortest``: the
+    shortest tenant windows (tenant_windows), read by the caller once per phase;
+    read here, in the batch's transaction, when not given."""
+    shortest = tenant_windows(queries) if shortest is None else shortest
     common = {
         "as_of": as_of,
         "cutoff": phase.cutoff(settings, as_of),
+        "range_cutoff": phase.range_cutoff(settings, as_of, shortest),
         "batch_size": settings.batch_size,
         "excluded": excluded,
         "only": only,

@@ -144,6 +144,7 @@ class Queries:
         *,
         as_of: datetime,
         cutoff: datetime,
+        range_cutoff: datetime,
         require_empty: bool,
         end_reason: str,
         batch_size: int,
@@ -158,6 +159,7 @@ class Queries:
                 "end_active_batch",
                 as_of=as_of,
                 cutoff=cutoff,
+                range_cutoff=range_cutoff,
                 require_empty=require_empty,
                 end_reason=end_reason,
                 batch_size=batch_size,
@@ -173,6 +175,7 @@ class Queries:
         *,
         as_of: datetime,
         cutoff: datetime,
+        range_cutoff: datetime,
         batch_size: int,
         excluded: list[str],
         only: list[str] | None,
@@ -183,6 +186,7 @@ class Queries:
                 "fail_provisioning_batch",
                 as_of=as_of,
                 cutoff=cutoff,
+                range_cutoff=range_cutoff,
                 batch_size=batch_size,
                 excluded=excluded,
                 only=only,
@@ -193,7 +197,9 @@ class Queries:
         self,
         *,
         phase: str,
+        as_of: datetime,
         cutoff: datetime,
+        range_cutoff: datetime,
         require_empty: bool,
         batch_size: int,
         excluded: list[str],
@@ -203,16 +209,20 @@ class Queries:
                 self.conn,
                 "batch_candidates",
                 phase=phase,
+                as_of=as_of,
                 cutoff=cutoff,
+                range_cutoff=range_cutoff,
                 require_empty=require_empty,
                 batch_size=batch_size,
                 excluded=excluded,
             ).scalars()
         )
 
-    def stale_live_eligible(self, *, cutoff: datetime, excluded: list[str]) -> int:
+    def stale_live_eligible(self, *, as_of: datetime, cutoff: datetime, excluded: list[str]) -> int:
         """The Active rooms stale_live would end now (the mass-closure guard)."""
-        row = _run(self.conn, "stale_live_eligible", cutoff=cutoff, excluded=excluded)
+        row = _run(
+            self.conn, "stale_live_eligible", as_of=as_of, cutoff=cutoff, excluded=excluded
+        )
         return int(row.scalar())
 
     def active_count(self) -> int:
@@ -328,6 +338,9 @@ class Queries:
         empty_cutoff: datetime,
         provision_cutoff: datetime,
         stale_cutoff: datetime,
+        empty_range: datetime,
+        provision_range: datetime,
+        stale_range: datetime,
         per_phase: int,
     ) -> list[Row]:
         return list(
@@ -338,6 +351,9 @@ class Queries:
                 empty_cutoff=empty_cutoff,
                 provision_cutoff=provision_cutoff,
                 stale_cutoff=stale_cutoff,
+                empty_range=empty_range,
+                provision_range=provision_range,
+                stale_range=stale_range,
                 per_phase=per_phase,
             )
         )
@@ -361,3 +377,36 @@ class Queries:
 
     def resume_phases(self, phases: list[str]) -> list[Row]:
         return list(_run(self.conn, "resume_phases", phases=phases))
+
+    def set_tenant_policy(
+        self,
+        tenant_id: str,
+        *,
+        empty_room_grace_s: float | None,
+        provision_timeout_s: float | None,
+        stale_live_timeout_s: float | None,
+        by: str,
+    ) -> Row:
+        """The given windows merged into the tenant's policy; the row as stored."""
+        return _run(
+            self.conn,
+            "set_tenant_policy",
+            tenant_id=tenant_id,
+            empty_room_grace_s=empty_room_grace_s,
+            provision_timeout_s=provision_timeout_s,
+            stale_live_timeout_s=stale_live_timeout_s,
+            by=by,
+        ).one()
+
+    def unset_tenant_policy(self, tenant_id: str) -> Row | None:
+        """The removed policy, or None when the tenant had none."""
+        return _run(self.conn, "unset_tenant_policy", tenant_id=tenant_id).one_or_none()
+
+    def tenant_window_bounds(self) -> Row:
+        return _run(self.conn, "tenant_window_bounds").one()
+
+    def tenant_policies(self) -> list[Row]:
+        return list(_run(self.conn, "tenant_policies"))
+
+    def tenant_policy_count(self) -> int:
+        return int(_run(self.conn, "tenant_policy_count").scalar())

@@ -5,18 +5,24 @@ phase reaches its candidates through its partial index only, in index order
 (no sort of all candidates, no bitmap over them, no sequential scan of any
 table). A few rows are not enough to see this, the planner then scans
 everything anyway; so the tables here are seeded with a history and ANALYZEd.
+
+Every plan is checked without tenant policies and with 1,000 of them (windows
+longer and shorter than the defaults, some of them the seeded rooms' tenants):
+the widest cutoff bounds the index range (an InitPlan), each row is held to
+its own tenant's window by a primary-key probe (docs/design.md#windows-per-tenant).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from reaper.queries import load
+from reaper.phases import tenant_windows
+from reaper.queries import Queries, load
 from tests.support.factory import T0
 
 HISTORY = 100_000
@@ -74,6 +80,28 @@ ANALYZE messenger.conference_sessions, messenger.conference_participants,
         messenger.call_recordings, messenger.integration_outbox, messenger.realtime_outbox;
 """
 
+# 1,000 tenant policies: 300 of them the tenants of seeded live rooms, the rest
+# other tenants; grace 30 s or 10 min, provision timeout 1 min or 10 min,
+# stale-live timeout 1 h, 2 h, 3 h or 6 h, or the default (each row sets one at least).
+POLICIES = """
+INSERT INTO messenger.reaper_tenant_policies
+    (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
+SELECT t,
+       CASE g % 3 WHEN 0 THEN interval '30 s' WHEN 1 THEN interval '10 min' END,
+       CASE g % 4 WHEN 0 THEN interval '1 min' WHEN 1 THEN interval '10 min' END,
+       CASE WHEN g % 5 = 0 THEN interval '1 hour' WHEN g % 5 = 1 THEN interval '6 hours'
+            WHEN g % 5 = 2 THEN interval '2 hours'
+            WHEN g % 3 = 2 AND g % 4 >= 2 THEN interval '3 hours' END,
+       CAST(:t0 AS timestamptz), 'test'
+FROM (SELECT row_number() OVER () AS g, t
+      FROM ((SELECT tenant_id AS t FROM messenger.conference_sessions
+             WHERE status IN ('Provisioning', 'Active') ORDER BY id LIMIT :ours)
+            UNION ALL
+            (SELECT gen_random_uuid() FROM generate_series(1, :policies - :ours))) x) y;
+
+ANALYZE messenger.reaper_tenant_policies;
+"""
+
 TABLES = {
     "conference_sessions",
     "conference_participants",
@@ -125,9 +153,23 @@ def seeded(database_url: str) -> Iterator[Engine]:
             text(
                 "TRUNCATE messenger.realtime_outbox, messenger.integration_outbox,"
                 " messenger.call_recordings, messenger.conference_participants,"
-                " messenger.conference_sessions RESTART IDENTITY CASCADE"
+                " messenger.conference_sessions, messenger.reaper_tenant_policies"
+                " RESTART IDENTITY CASCADE"
             )
         )
+
+
+@pytest.fixture(scope="module", params=[0, 1000], ids=["no-policies", "1000-policies"])
+def policies(request: pytest.FixtureRequest, seeded: Engine) -> Iterator[int]:
+    """The seeded history without tenant policies, then with 1,000 of them."""
+    with seeded.begin() as conn:
+        conn.execute(text("TRUNCATE messenger.reaper_tenant_policies"))
+        if request.param:
+            conn.execute(text(POLICIES), {"t0": T0, "policies": request.param, "ours": 300})
+        conn.execute(text("ANALYZE messenger.reaper_tenant_policies"))
+    yield request.param
+    with seeded.begin() as conn:
+        conn.execute(text("TRUNCATE messenger.reaper_tenant_policies"))
 
 
 def nodes(plan: dict[str, Any], ancestors: tuple[dict, ...] = ()) -> Iterator[tuple]:
@@ -136,11 +178,20 @@ def nodes(plan: dict[str, Any], ancestors: tuple[dict, ...] = ()) -> Iterator[tu
         yield from nodes(child, (*ancestors, plan))
 
 
+def widest(conn: Connection, phase: str, as_of: datetime) -> datetime:
+    """The phase's range_cutoff, as phases.reap_batch passes it: the shortest of the
+    default window and every tenant's."""
+    window = PHASES[phase][2]["window"]
+    tenant = tenant_windows(Queries(conn))[phase]
+    return as_of - (window if tenant is None else min(window, tenant))
+
+
 def explain(conn: Connection, phase: str, as_of, batch_size: int = 100) -> dict[str, Any]:
     name, _, extra = PHASES[phase]
     params = {
         "as_of": as_of,
         "cutoff": as_of - extra["window"],
+        "range_cutoff": widest(conn, phase, as_of),
         "batch_size": batch_size,
         "excluded": [],
         "only": None,
@@ -193,7 +244,7 @@ def problems(plan: dict[str, Any], index: str) -> list[str]:
 @pytest.mark.parametrize("moment", ["backlog", "quiet"])
 @pytest.mark.parametrize("batch_size", [100, 1000])
 def test_phase_statement_plan_stays_on_its_partial_index(
-    seeded: Engine, phase: str, moment: str, batch_size: int
+    seeded: Engine, policies: int, phase: str, moment: str, batch_size: int
 ) -> None:
     # "quiet": a cycle's moment at which nothing is eligible yet
     as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
@@ -209,6 +260,13 @@ CENSUS: dict[str, set[str]] = {
     "stale_live_eligible": {"ix_conf_active"},
     "plan_candidates": {"ix_conf_empty_active", "ix_conf_provisioning", "ix_conf_active"},
 }
+
+
+def census_ranges(conn: Connection, as_of: datetime) -> dict[str, datetime]:
+    return {
+        f"{short}_range": widest(conn, phase, as_of)
+        for short, phase in zip(("empty", "provision", "stale"), PHASES, strict=True)
+    }
 
 
 def census_problems(plan: dict[str, Any], indexes: set[str]) -> list[str]:
@@ -227,7 +285,7 @@ def census_problems(plan: dict[str, Any], indexes: set[str]) -> list[str]:
 @pytest.mark.parametrize("statement", list(CENSUS))
 @pytest.mark.parametrize("moment", ["backlog", "quiet"])
 def test_census_statements_count_index_ranges_not_live_rooms(
-    seeded: Engine, statement: str, moment: str
+    seeded: Engine, policies: int, statement: str, moment: str
 ) -> None:
     as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
     params = {
@@ -240,6 +298,8 @@ def test_census_statements_count_index_ranges_not_live_rooms(
         "per_phase": 100,
     }
     with seeded.connect() as conn:
+        if statement == "plan_candidates":
+            params |= census_ranges(conn, as_of)
         sql = "EXPLAIN (FORMAT JSON) " + load()[statement].text
         plan = conn.execute(text(sql), params).scalar_one()[0]["Plan"]
     assert census_problems(plan, CENSUS[statement]) == [], outline(plan)
@@ -253,3 +313,73 @@ def test_the_plan_check_sees_a_scan_of_all_candidates(seeded: Engine) -> None:
         tx.rollback()
     assert "no index scan using ix_conf_empty_active" in found
     assert any("scan" in p and "conference_sessions" in p for p in found), found
+
+
+@pytest.mark.parametrize("policies", [1000], indirect=True)
+@pytest.mark.parametrize("phase", list(PHASES))
+@pytest.mark.parametrize("moment", ["backlog", "quiet"])
+def test_tenant_windows_widen_the_range_and_probe_each_row_by_key(
+    seeded: Engine, policies: int, phase: str, moment: str
+) -> None:
+    """The claim's index range ends at the widest cutoff, a constant the planner
+    can estimate; a row's own window is one probe of the policies' primary key,
+    never a scan of them per row."""
+    as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
+    with seeded.connect() as conn:
+        assert widest(conn, phase, as_of) > as_of - PHASES[phase][2]["window"]  # shorter ones
+        plan = explain(conn, phase, as_of)
+    index = PHASES[phase][1]
+    found, probes = [], 0
+    for node, _ in nodes(plan):
+        if node.get("Relation Name") == "reaper_tenant_policies":
+            if (node["Node Type"], node.get("Index Name")) != (
+                "Index Scan", "reaper_tenant_policies_pkey"
+            ) or "tenant_id = " not in node.get("Index Cond", ""):  # fmt: skip
+                found.append(f"{node['Node Type']} of reaper_tenant_policies")
+            probes += 1
+        if node.get("Index Name") == index and "SubPlan" in node.get("Index Cond", ""):
+            found.append(f"{index} bounded by a subquery")
+    assert found == [] and probes, outline(plan)
+
+
+@pytest.mark.parametrize("policies", [1000], indirect=True)
+def test_the_census_counts_what_the_claims_would_select(seeded: Engine, policies: int) -> None:
+    """The counts join the policies, the claims probe them per row (and their ranges
+    are bounded differently): the same rooms.
+    And the policies make a difference on this seed (else this proves nothing)."""
+    windows = {
+        "empty_room": timedelta(seconds=90),
+        "provision_timeout": timedelta(seconds=120),
+        "stale_live": timedelta(hours=4),
+    }
+    with seeded.connect() as conn:
+
+        def claimable(phase: str) -> int:
+            rows = conn.execute(
+                load()["batch_candidates"],
+                {"phase": phase, "as_of": T0, "cutoff": T0 - windows[phase],
+                 "range_cutoff": widest(conn, phase, T0),
+                 "require_empty": phase == "empty_room", "batch_size": 1_000_000,
+                 "excluded": []},
+            )  # fmt: skip
+            return len(rows.all())
+
+        cutoffs = {f"{short}_cutoff": T0 - window for short, window in
+                   zip(("empty", "provision", "stale"), windows.values(), strict=True)}  # fmt: skip
+        census = conn.execute(load()["eligible_census"], {"as_of": T0, **cutoffs}).one()
+        guard = conn.execute(
+            load()["stale_live_eligible"],
+            {"as_of": T0, "cutoff": T0 - windows["stale_live"], "excluded": []},
+        ).scalar_one()
+        default_stale = conn.execute(
+            text(
+                "SELECT count(*) FROM messenger.conference_sessions"
+                " WHERE status = 'Active' AND last_activity_at <= :cutoff"
+            ),
+            {"cutoff": T0 - windows["stale_live"]},
+        ).scalar_one()
+        claims = {phase: claimable(phase) for phase in windows}
+    assert census.empty_room == claims["empty_room"]
+    assert census.provision_timeout == claims["provision_timeout"]
+    assert guard == claims["stale_live"]
+    assert guard != default_stale  # shorter and longer windows than the default apply

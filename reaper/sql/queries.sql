@@ -12,6 +12,27 @@
 --   conference_id, chat_id, deal_id, duration_seconds
 --   detail          poison: why; stop: the recording id; otherwise null
 --   tenant_id, lateness_seconds   reaped (tenant also poison); otherwise null
+--
+-- Windows per tenant (docs/design.md#windows-per-tenant): a conference's window
+-- is its tenant's in messenger.reaper_tenant_policies when set, else the
+-- default (:cutoff = :as_of - the default window). Every phase predicate is
+-- written in two parts:
+--   the index range, to the WIDEST cutoff (:range_cutoff; :empty_range ... in
+--     plan_candidates): :as_of minus the shortest of the default window and
+--     every tenant's (tenant_window_bounds, read once at the start of each
+--     phase, cycle.Reaper._drain; phases.range_cutoff).
+--     A constant, so the planner estimates the range from the statistics as it
+--     did before policies existed. (Computed in the statement, as an InitPlan,
+--     the bound is unknown when planning: with no policy at all the claim of a
+--     1000-row batch became a bitmap scan of every candidate and a sort.)
+--   the row's own cutoff: coalesce(:as_of - (SELECT p.<window> ... WHERE
+--     p.tenant_id = s.tenant_id), :cutoff), a primary-key probe per row of the
+--     range, which keeps the claim in index order. (The two counts,
+--     eligible_census and stale_live_eligible, are written for a count: see
+--     eligible_census.)
+-- A room is eligible when it passes both; the range alone only bounds the scan.
+-- A window made longer applies to every statement that starts after the change;
+-- one made shorter during a phase, from the next phase (the range is read then).
 
 -- name: try_run_lock
 -- The single-runner lock, held until the end of the calling transaction.
@@ -106,12 +127,20 @@ WHERE finished_at IS NULL
 
 -- name: stale_live_eligible
 -- The mass-closure guard's first input: the Active conferences stale_live would
--- end now. A range of ix_conf_active, so a quiet cycle costs what the eligible
--- rows cost, not what the live ones do (docs/design.md#the-mass-closure-guard).
+-- end now, each by its own tenant's window (else the default). A range of
+-- ix_conf_active to the widest cutoff, so a quiet cycle costs what the rooms in
+-- that range cost, not what the live ones do
+-- (docs/design.md#the-mass-closure-guard). Written for a count, as
+-- eligible_census is: the range bound computed here, the policies joined.
 SELECT count(*)
 FROM messenger.conference_sessions s
+LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
 WHERE s.status = 'Active'
-  AND s.last_activity_at <= :cutoff
+  AND s.last_activity_at <= greatest(CAST(:cutoff AS timestamptz),
+          CAST(:as_of AS timestamptz)
+          - (SELECT min(q.stale_live_timeout) FROM messenger.reaper_tenant_policies q))
+  AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.stale_live_timeout,
+                                     CAST(:cutoff AS timestamptz))
   AND s.id <> ALL (CAST(:excluded AS uuid[]));
 
 -- name: active_count
@@ -124,7 +153,15 @@ WITH visible AS (
     SELECT s.id
     FROM messenger.conference_sessions s
     WHERE s.status = 'Active'
-      AND s.last_activity_at <= :cutoff
+      -- the index range, to the widest cutoff (the header)
+      AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
+      -- the room's own cutoff: its tenant's window, else the default
+      AND s.last_activity_at <= coalesce(
+              CAST(:as_of AS timestamptz)
+              - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
+                             ELSE p.stale_live_timeout END
+                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+              CAST(:cutoff AS timestamptz))
       AND (s.active_participant_count = 0 OR NOT :require_empty)
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
       -- isolating a row the database refuses: these ids only (NULL: any)
@@ -136,7 +173,15 @@ claimed AS (
     SELECT s.id, s.status, s.started_at, s.chat_id, s.deal_id, s.tenant_id
     FROM messenger.conference_sessions s
     WHERE s.status = 'Active'
-      AND s.last_activity_at <= :cutoff
+      -- the index range, to the widest cutoff (the header)
+      AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
+      -- the room's own cutoff: its tenant's window, else the default
+      AND s.last_activity_at <= coalesce(
+              CAST(:as_of AS timestamptz)
+              - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
+                             ELSE p.stale_live_timeout END
+                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+              CAST(:cutoff AS timestamptz))
       AND (s.active_participant_count = 0 OR NOT :require_empty)
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
       -- isolating a row the database refuses: these ids only (NULL: any)
@@ -234,8 +279,9 @@ realtime AS (
     FROM ended e
 )
 -- lateness_seconds: from the moment the room became eligible (last_activity_at
--- + window, the window being as_of - cutoff) to this statement, which commits
--- right after: a queue wait or a late phase shows in it (the SLO's measure).
+-- + its own window: its tenant's, else the default, as_of - cutoff) to this
+-- statement, which commits right after: a queue wait or a late phase shows in
+-- it (the SLO's measure).
 -- ids as text: parsing them into uuid.UUID and back was a tenth of the Python per room
 SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id,
        e.deal_id::text AS deal_id, e.duration_seconds,
@@ -248,7 +294,12 @@ SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id
        e.tenant_id::text AS tenant_id,
        CASE WHEN isfinite(e.last_activity_at)
             THEN extract(epoch FROM clock_timestamp() - e.last_activity_at
-                         - (CAST(:as_of AS timestamptz) - CAST(:cutoff AS timestamptz)))::float8
+                         - coalesce((SELECT CASE WHEN :require_empty THEN p.empty_room_grace
+                                                 ELSE p.stale_live_timeout END
+                                     FROM messenger.reaper_tenant_policies p
+                                     WHERE p.tenant_id = e.tenant_id),
+                                    CAST(:as_of AS timestamptz) - CAST(:cutoff AS timestamptz)))
+                 ::float8
        END AS lateness_seconds
 FROM ended e
 UNION ALL
@@ -281,7 +332,14 @@ WITH visible AS (
     SELECT s.id
     FROM messenger.conference_sessions s
     WHERE s.status = 'Provisioning'
-      AND s.created_at <= :cutoff
+      -- the index range, to the widest cutoff (the header)
+      AND s.created_at <= CAST(:range_cutoff AS timestamptz)
+      -- the room's own cutoff: its tenant's window, else the default
+      AND s.created_at <= coalesce(
+              CAST(:as_of AS timestamptz)
+              - (SELECT p.provision_timeout
+                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+              CAST(:cutoff AS timestamptz))
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
       -- isolating a row the database refuses: these ids only (NULL: any)
       AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
@@ -292,7 +350,14 @@ claimed AS (
     SELECT s.id, s.status
     FROM messenger.conference_sessions s
     WHERE s.status = 'Provisioning'
-      AND s.created_at <= :cutoff
+      -- the index range, to the widest cutoff (the header)
+      AND s.created_at <= CAST(:range_cutoff AS timestamptz)
+      -- the room's own cutoff: its tenant's window, else the default
+      AND s.created_at <= coalesce(
+              CAST(:as_of AS timestamptz)
+              - (SELECT p.provision_timeout
+                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+              CAST(:cutoff AS timestamptz))
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
       -- isolating a row the database refuses: these ids only (NULL: any)
       AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
@@ -332,10 +397,14 @@ realtime AS (
 SELECT 'reaped' AS kind, f.id::text AS conference_id, f.chat_id::text AS chat_id,
        f.deal_id::text AS deal_id, f.duration_seconds, NULL::text AS detail,
        f.tenant_id::text AS tenant_id,
-       -- from created_at + window to this statement (see end_active_batch)
+       -- from created_at + its own window to this statement (see end_active_batch)
        CASE WHEN isfinite(f.created_at)
             THEN extract(epoch FROM clock_timestamp() - f.created_at
-                         - (CAST(:as_of AS timestamptz) - CAST(:cutoff AS timestamptz)))::float8
+                         - coalesce((SELECT p.provision_timeout
+                                     FROM messenger.reaper_tenant_policies p
+                                     WHERE p.tenant_id = f.tenant_id),
+                                    CAST(:as_of AS timestamptz) - CAST(:cutoff AS timestamptz)))
+                 ::float8
        END AS lateness_seconds
 FROM failed f
 UNION ALL
@@ -361,14 +430,28 @@ CROSS JOIN LATERAL (
 ) r;
 
 -- name: batch_candidates
--- The rows a phase's next batch would claim (its visible CTE), not locked: a
--- batch the database refused is retried in halves of these, until the row it
--- refuses is alone (cycle.Reaper._batch).
+-- The rows a phase's next batch would claim (its visible CTE: the same range and
+-- the same per-tenant windows), not locked: a batch the database refused is
+-- retried in halves of these, until the row it refuses is alone
+-- (cycle.Reaper._batch).
 SELECT s.id::text
 FROM messenger.conference_sessions s
 WHERE s.id <> ALL (CAST(:excluded AS uuid[]))
-  AND ((:phase = 'provision_timeout' AND s.status = 'Provisioning' AND s.created_at <= :cutoff)
-    OR (:phase <> 'provision_timeout' AND s.status = 'Active' AND s.last_activity_at <= :cutoff
+  AND ((:phase = 'provision_timeout' AND s.status = 'Provisioning'
+        AND s.created_at <= CAST(:range_cutoff AS timestamptz)
+        AND s.created_at <= coalesce(
+                CAST(:as_of AS timestamptz)
+                - (SELECT p.provision_timeout
+                   FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+                CAST(:cutoff AS timestamptz)))
+    OR (:phase <> 'provision_timeout' AND s.status = 'Active'
+        AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
+        AND s.last_activity_at <= coalesce(
+                CAST(:as_of AS timestamptz)
+                - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
+                               ELSE p.stale_live_timeout END
+                   FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+                CAST(:cutoff AS timestamptz))
         AND (s.active_participant_count = 0 OR NOT :require_empty)))
 ORDER BY CASE WHEN :phase = 'provision_timeout' THEN s.created_at ELSE s.last_activity_at END
 LIMIT :batch_size;
@@ -548,59 +631,119 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-rea
 
 -- name: eligible_census
 -- What the next cycle would select, per phase, with the phases' own
--- predicates; each conference counted once, in the first phase that selects
--- it (a terminal transition hides it from the later ones: an empty room past
--- the stale-live timeout is past the grace too, so stale_live counts the
--- occupied ones). The sum is messenger_conf_reaper_active_backlog. Each count is
--- a range of its phase's partial index: it costs what the eligible rows cost,
--- never what the live ones do. *_since: when the oldest one became eligible
--- (its last_activity_at or created_at plus the window).
-SELECT e.n AS empty_room,
-       e.oldest + (CAST(:as_of AS timestamptz) - :empty_cutoff) AS empty_room_since,
-       p.n AS provision_timeout,
-       p.oldest + (CAST(:as_of AS timestamptz) - :provision_cutoff) AS provision_timeout_since,
-       l.n AS stale_live,
-       l.oldest + (CAST(:as_of AS timestamptz) - :stale_cutoff) AS stale_live_since
-FROM (SELECT count(*) AS n, min(s.last_activity_at) AS oldest
+-- predicates (windows per tenant included); each conference counted once, in
+-- the first phase that selects it (a terminal transition hides it from the
+-- later ones: stale_live counts the occupied rooms, and the empty ones their
+-- tenant's grace still keeps). The sum is messenger_conf_reaper_active_backlog.
+-- Each count is a range of its phase's partial index, to the widest cutoff: it
+-- costs what the rooms in that range cost, never what the live ones do.
+-- Written for a count (the claims need an order, a count does not):
+--   the widest cutoff is computed here, greatest(default cutoff, :as_of -
+--     (SELECT min(window) ...)): an InitPlan, unknown to the planner, which
+--     then estimates a third of the partial index and stays on it. Given as a
+--     constant that covered most live rooms (a 1 h stale-live policy), the
+--     planner chose a sequential scan of the whole table instead;
+--   the policies are joined (one hash of the small table) rather than probed
+--     per row: a probe per row was ten times slower on a large backlog.
+-- *_since: when the oldest one became eligible (its last_activity_at or
+-- created_at plus its own window).
+SELECT e.n AS empty_room, e.since AS empty_room_since,
+       pr.n AS provision_timeout, pr.since AS provision_timeout_since,
+       l.n AS stale_live, l.since AS stale_live_since
+FROM (SELECT count(*) AS n,
+             min(s.last_activity_at + coalesce(p.empty_room_grace,
+                 CAST(:as_of AS timestamptz) - CAST(:empty_cutoff AS timestamptz))) AS since
       FROM messenger.conference_sessions s
+      LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
       WHERE s.status = 'Active' AND s.active_participant_count = 0
-        AND s.last_activity_at <= :empty_cutoff) e,
-     (SELECT count(*) AS n, min(s.created_at) AS oldest
+        AND s.last_activity_at <= greatest(CAST(:empty_cutoff AS timestamptz),
+                CAST(:as_of AS timestamptz)
+                - (SELECT min(q.empty_room_grace) FROM messenger.reaper_tenant_policies q))
+        AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.empty_room_grace,
+                                           CAST(:empty_cutoff AS timestamptz))) e,
+     (SELECT count(*) AS n,
+             min(s.created_at + coalesce(p.provision_timeout,
+                 CAST(:as_of AS timestamptz) - CAST(:provision_cutoff AS timestamptz))) AS since
       FROM messenger.conference_sessions s
-      WHERE s.status = 'Provisioning' AND s.created_at <= :provision_cutoff) p,
-     (SELECT count(*) AS n, min(s.last_activity_at) AS oldest
+      LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
+      WHERE s.status = 'Provisioning'
+        AND s.created_at <= greatest(CAST(:provision_cutoff AS timestamptz),
+                CAST(:as_of AS timestamptz)
+                - (SELECT min(q.provision_timeout) FROM messenger.reaper_tenant_policies q))
+        AND s.created_at <= coalesce(CAST(:as_of AS timestamptz) - p.provision_timeout,
+                                     CAST(:provision_cutoff AS timestamptz))) pr,
+     (SELECT count(*) AS n,
+             min(s.last_activity_at + coalesce(p.stale_live_timeout,
+                 CAST(:as_of AS timestamptz) - CAST(:stale_cutoff AS timestamptz))) AS since
       FROM messenger.conference_sessions s
-      WHERE s.status = 'Active' AND s.active_participant_count <> 0
-        AND s.last_activity_at <= :stale_cutoff) l;
+      LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
+      WHERE s.status = 'Active'
+        AND s.last_activity_at <= greatest(CAST(:stale_cutoff AS timestamptz),
+                CAST(:as_of AS timestamptz)
+                - (SELECT min(q.stale_live_timeout) FROM messenger.reaper_tenant_policies q))
+        AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.stale_live_timeout,
+                                           CAST(:stale_cutoff AS timestamptz))
+        AND (s.active_participant_count <> 0
+             OR s.last_activity_at > coalesce(CAST(:as_of AS timestamptz) - p.empty_room_grace,
+                                              CAST(:empty_cutoff AS timestamptz)))) l;
 
 -- name: plan_candidates
 -- reaper plan: the conferences of eligible_census (same predicates, same
 -- phase assignment), oldest first, at most :per_phase per phase, each from its
--- phase's index range. anomaly: why the room will be closed without a
--- duration (end_active_batch's rules, docs/design.md#anomalies).
+-- phase's index range. tenant_window: the tenant's window that applies (NULL:
+-- the default). anomaly: why the room will be closed without a duration
+-- (end_active_batch's rules, docs/design.md#anomalies).
 WITH candidates AS (
     (SELECT 'empty_room' AS phase, s.*
      FROM messenger.conference_sessions s
      WHERE s.status = 'Active' AND s.active_participant_count = 0
-       AND s.last_activity_at <= :empty_cutoff
+       AND s.last_activity_at <= CAST(:empty_range AS timestamptz)
+       AND s.last_activity_at <= coalesce(
+               CAST(:as_of AS timestamptz)
+               - (SELECT p.empty_room_grace
+                  FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+               CAST(:empty_cutoff AS timestamptz))
      ORDER BY s.last_activity_at, s.id
      LIMIT :per_phase)
     UNION ALL
     (SELECT 'provision_timeout' AS phase, s.*
      FROM messenger.conference_sessions s
-     WHERE s.status = 'Provisioning' AND s.created_at <= :provision_cutoff
+     WHERE s.status = 'Provisioning'
+       AND s.created_at <= CAST(:provision_range AS timestamptz)
+       AND s.created_at <= coalesce(
+               CAST(:as_of AS timestamptz)
+               - (SELECT p.provision_timeout
+                  FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+               CAST(:provision_cutoff AS timestamptz))
      ORDER BY s.created_at, s.id
      LIMIT :per_phase)
     UNION ALL
     (SELECT 'stale_live' AS phase, s.*
      FROM messenger.conference_sessions s
-     WHERE s.status = 'Active' AND s.active_participant_count <> 0
-       AND s.last_activity_at <= :stale_cutoff
+     WHERE s.status = 'Active'
+       AND s.last_activity_at <= CAST(:stale_range AS timestamptz)
+       AND s.last_activity_at <= coalesce(
+               CAST(:as_of AS timestamptz)
+               - (SELECT p.stale_live_timeout
+                  FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+               CAST(:stale_cutoff AS timestamptz))
+       AND (s.active_participant_count <> 0
+            OR NOT s.last_activity_at <= coalesce(
+                          CAST(:as_of AS timestamptz)
+                          - (SELECT p.empty_room_grace
+                             FROM messenger.reaper_tenant_policies p
+                             WHERE p.tenant_id = s.tenant_id),
+                          CAST(:empty_cutoff AS timestamptz)))
      ORDER BY s.last_activity_at, s.id
      LIMIT :per_phase)
 )
 SELECT c.phase, c.id AS conference_id, c.chat_id, c.deal_id, c.tenant_id, c.status,
        c.created_at, c.started_at, c.last_activity_at, c.active_participant_count,
+       (SELECT CASE c.phase WHEN 'empty_room' THEN p.empty_room_grace
+                            WHEN 'provision_timeout' THEN p.provision_timeout
+                            ELSE p.stale_live_timeout END
+        FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = c.tenant_id)
+           AS tenant_window,
        CASE
          WHEN c.phase = 'provision_timeout' THEN NULL
          WHEN c.started_at IS NULL THEN 'started_at is missing'
@@ -651,3 +794,52 @@ DELETE FROM messenger.reaper_pauses
 WHERE phase = ANY (CAST(:phases AS text[]))
 RETURNING phase, reason, paused_by,
           (paused_until IS NULL OR paused_until > clock_timestamp()) AS in_force;
+
+-- name: tenant_window_bounds
+-- The shortest window of each kind any tenant policy sets (NULL: none); with the
+-- defaults they give each phase's widest cutoff (phases.range_cutoff). Read
+-- once per phase, and by reaper plan.
+SELECT min(empty_room_grace) AS empty_room, min(provision_timeout) AS provision_timeout,
+       min(stale_live_timeout) AS stale_live
+FROM messenger.reaper_tenant_policies;
+
+-- name: set_tenant_policy
+-- reaper policy set: the given windows merged into the tenant's policy (a
+-- window not given keeps its value; a new policy has only the given ones).
+-- The row stays locked until the caller's transaction ends, which checks the
+-- merged windows against each other (reaper/control.py) and rolls back on a
+-- refusal. Windows are stored as seconds, without a day part, so that
+-- as_of - window is exact in any session time zone.
+INSERT INTO messenger.reaper_tenant_policies AS p
+    (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
+VALUES (CAST(:tenant_id AS uuid),
+        make_interval(secs => CAST(:empty_room_grace_s AS float8)),
+        make_interval(secs => CAST(:provision_timeout_s AS float8)),
+        make_interval(secs => CAST(:stale_live_timeout_s AS float8)),
+        clock_timestamp(), :by)
+ON CONFLICT (tenant_id) DO UPDATE
+SET empty_room_grace = coalesce(EXCLUDED.empty_room_grace, p.empty_room_grace),
+    provision_timeout = coalesce(EXCLUDED.provision_timeout, p.provision_timeout),
+    stale_live_timeout = coalesce(EXCLUDED.stale_live_timeout, p.stale_live_timeout),
+    updated_at = EXCLUDED.updated_at,
+    updated_by = EXCLUDED.updated_by
+RETURNING p.tenant_id::text AS tenant_id, p.empty_room_grace, p.provision_timeout,
+          p.stale_live_timeout, p.updated_at, p.updated_by;
+
+-- name: unset_tenant_policy
+-- reaper policy unset: the tenant's conferences get the defaults again.
+DELETE FROM messenger.reaper_tenant_policies
+WHERE tenant_id = CAST(:tenant_id AS uuid)
+RETURNING tenant_id::text AS tenant_id, empty_room_grace, provision_timeout,
+          stale_live_timeout, updated_at, updated_by;
+
+-- name: tenant_policies
+-- reaper policy list.
+SELECT tenant_id::text AS tenant_id, empty_room_grace, provision_timeout, stale_live_timeout,
+       updated_at, updated_by
+FROM messenger.reaper_tenant_policies
+ORDER BY tenant_id;
+
+-- name: tenant_policy_count
+-- reaper status.
+SELECT count(*) FROM messenger.reaper_tenant_policies;
