@@ -65,7 +65,7 @@ STALE_LIVE = Phase(
 )  # fmt: skip
 
 # A transition is terminal, so a room closed by an earlier phase is invisible to
-# the later ones; this order is the spec's.
+# the later ones; this order is the design's (docs/design.md#order-and-batches).
 PHASES: dict[str, Phase] = {p.name: p for p in (EMPTY_ROOM, PROVISION_TIMEOUT, STALE_LIVE)}
 ORDER: tuple[str, ...] = tuple(PHASES)
 

@@ -1,4 +1,4 @@
-"""The spec's test table, one test per row, against real PostgreSQL."""
+"""The phases' cases (docs/design.md#the-three-phases), one test each, on real PostgreSQL."""
 
 from __future__ import annotations
 
