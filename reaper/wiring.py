@@ -10,6 +10,7 @@ touching the engine.
 from __future__ import annotations
 
 import threading
+import weakref
 
 from sqlalchemy import Engine
 
@@ -20,15 +21,17 @@ from reaper.events import Bus, CycleFinished, process_bus
 from reaper.recorder import RecorderClient, StopSignal
 
 _lock = threading.Lock()
-_installed: set[int] = set()
+# The buses already wired. Weak, not by id(): a collected bus's id is reused by
+# a new one, which then was taken for wired and got no subscriber at all.
+_installed: weakref.WeakSet[Bus] = weakref.WeakSet()
 
 
 def install(settings: Settings, bus: Bus = process_bus, *, engine: Engine | None = None) -> Bus:
     """Attach every subscriber to ``bus`` (once: a second call changes nothing)."""
     with _lock:
-        if id(bus) in _installed:
+        if bus in _installed:
             return bus
-        _installed.add(id(bus))
+        _installed.add(bus)
     engine = engine or engine_for(settings.database_url)
     eventlog.subscribe(bus)
     metrics.subscribe(bus)
