@@ -237,6 +237,7 @@ class Reaper:
         """
         share, floor = self.settings.mass_closure_share, self.settings.mass_closure_floor
         with transaction(self.engine, budgets.batch(self.settings)) as queries:
+            queries.census_planner()
             eligible = queries.stale_live_eligible(
                 as_of=run.as_of,
                 cutoff=phase.cutoff(self.settings, run.as_of),

@@ -79,6 +79,7 @@ class Census:
 
 
 def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
+    queries.census_planner()  # for the rest of the caller's (read-only) transaction
     row = queries.eligible_census(as_of=as_of, **cutoffs(settings, as_of))._mapping
     phases = {
         name: PhaseCensus(

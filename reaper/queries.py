@@ -255,6 +255,9 @@ class Queries:
 
     # -- the outbox relay ----------------------------------------------------
 
+    def census_planner(self) -> None:
+        _run(self.conn, "census_planner")
+
     def relay_planner(self) -> None:
         _run(self.conn, "relay_planner")
 
