@@ -130,7 +130,7 @@ WHERE finished_at IS NULL
 -- end now, each by its own tenant's window (else the default). A range of
 -- ix_conf_active to the widest cutoff, so a quiet cycle costs what the rooms in
 -- that range cost, not what the live ones do
--- (docs/design.md#the-mass-closure-guard). Written for a count, as
+-- (docs/reliability.md#the-mass-closure-guard). Written for a count, as
 -- eligible_census is: the range bound computed here, the policies joined.
 SELECT count(*)
 FROM messenger.conference_sessions s
