@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import getpass
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -116,15 +116,9 @@ class Controls:
             # Checked on the merged row, locked until the commit: two operators
             # setting the two windows at once cannot make them cross. Raising
             # rolls the change back.
-            self._coherent(TenantPolicy.from_row(row), given)
-        fact = PolicySet(
-            row.tenant_id,
-            row.empty_room_grace,
-            row.provision_timeout,
-            row.stale_live_timeout,
-            row.updated_at,
-            row.updated_by,
-        )
+            policy = TenantPolicy.from_row(row)
+            self._coherent(policy, given)
+        fact = PolicySet(**asdict(policy))  # the fact is the policy as stored
         self.bus.emit(fact)
         return fact
 
