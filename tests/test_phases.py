@@ -302,6 +302,33 @@ def test_race_with_end_conference_row_locked_is_skipped_not_waited(settings, eng
         assert [e["payload"]["payload"]["conferenceId"] for e in f.outbox(conn)] == [free["id"]]
 
 
+def test_a_row_held_through_full_batches_is_counted_once_the_phase_runs_short(settings, engine):
+    """Full batches step over a held row without counting it; the batch that comes
+    back short finds it still held: left for the next cycle, counted once."""
+    with engine.begin() as conn:
+        busy = f.conference(conn, idle=timedelta(minutes=9))  # the oldest: met by every batch
+        free = [f.conference(conn, idle=timedelta(minutes=8 - i)) for i in range(4)]
+    command = engine.connect()
+    tx = command.begin()
+    command.execute(
+        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
+        {"id": busy["id"]},
+    )
+    try:
+        small = settings.model_copy(update={"batch_size": 2, "drain_lanes": 1})
+        result = reap(small, engine)
+    finally:
+        tx.rollback()
+        command.close()
+    assert (result["empty_timeout_count"], result["skipped_locked_count"]) == (4, 1)
+    again = reap(settings, engine)
+    assert (again["empty_timeout_count"], again["skipped_locked_count"]) == (1, 0)
+    with engine.connect() as conn:
+        assert {i for i, (status, _) in f.statuses(conn).items() if status == "Ended"} == {
+            busy["id"], *(room["id"] for room in free)
+        }
+
+
 def test_race_with_end_conference_already_ended_is_not_selected(settings, engine):
     with engine.begin() as conn:
         room = f.conference(

@@ -186,7 +186,16 @@ def widest(conn: Connection, phase: str, as_of: datetime) -> datetime:
     return as_of - (window if tenant is None else min(window, tenant))
 
 
-def explain(conn: Connection, phase: str, as_of, batch_size: int = 100) -> dict[str, Any]:
+def explain(
+    conn: Connection,
+    phase: str,
+    as_of,
+    batch_size: int = 100,
+    *,
+    analyze: bool = False,
+    only: list[str] | None = None,
+) -> dict[str, Any]:
+    """The phase statement's plan; ``analyze`` runs it (the caller rolls back)."""
     name, _, extra = PHASES[phase]
     params = {
         "as_of": as_of,
@@ -194,7 +203,7 @@ def explain(conn: Connection, phase: str, as_of, batch_size: int = 100) -> dict[
         "range_cutoff": widest(conn, phase, as_of),
         "batch_size": batch_size,
         "excluded": [],
-        "only": None,
+        "only": only,
     }
     if name == "end_active_batch":
         params |= {
@@ -203,7 +212,8 @@ def explain(conn: Connection, phase: str, as_of, batch_size: int = 100) -> dict[
             "run_id": "00000000-0000-0000-0000-000000000000",
             "topic": "pin.messenger.conference-ended.v1",
         }
-    sql = "EXPLAIN (FORMAT JSON) " + load()[name].text
+    options = "ANALYZE, FORMAT JSON" if analyze else "FORMAT JSON"
+    sql = f"EXPLAIN ({options}) " + load()[name].text
     return conn.execute(text(sql), params).scalar_one()[0]["Plan"]
 
 
@@ -251,6 +261,33 @@ def test_phase_statement_plan_stays_on_its_partial_index(
     with seeded.connect() as conn:
         plan = explain(conn, phase, as_of, batch_size)
     assert problems(plan, PHASES[phase][1]) == [], outline(plan)
+
+
+def locked_scan_loops(plan: dict[str, Any]) -> int:
+    """How often the batch looked for rows a command holds (its ``visible`` scan)."""
+    [scan] = [node for node, _ in nodes(plan) if node.get("Alias") == "v"]
+    return scan["Actual Loops"]
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_only_a_short_batch_looks_for_rows_a_command_holds(seeded: Engine, phase: str) -> None:
+    """A full batch leaves the search for locked rows to the batch that comes back
+    short (a second walk of the index range, a policy probe per row, per batch)."""
+    status = "Provisioning" if phase == "provision_timeout" else "Active"
+    with seeded.connect() as conn, conn.begin() as tx:
+        full = explain(conn, phase, T0, 100, analyze=True)
+        few = conn.execute(
+            text(
+                "SELECT id::text FROM messenger.conference_sessions"
+                " WHERE status = :status AND created_at < :t0 - interval '6 hours' LIMIT 3"
+            ),
+            {"status": status, "t0": T0},
+        ).scalars().all()
+        short = explain(conn, phase, T0, 100, analyze=True, only=few)
+        tx.rollback()
+    assert len(few) == 3
+    assert locked_scan_loops(full) == 0, outline(full)
+    assert locked_scan_loops(short) == 1, outline(short)
 
 
 # The per-cycle census (the backlog gauge, the mass-closure guard) and reaper

@@ -313,7 +313,11 @@ WHERE c.id NOT IN (SELECT e.id FROM ended e)
 UNION ALL
 SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
 FROM visible v
-WHERE v.id NOT IN (SELECT c.id FROM claimed c)
+-- Only a batch that comes back short looks for rows a command holds (the rows a
+-- phase leaves for the next cycle): while there is more to claim, the next batch
+-- meets them again. A one-time filter: a full batch never scans visible.
+WHERE (SELECT count(*) FROM claimed) < :batch_size
+  AND v.id NOT IN (SELECT c.id FROM claimed c)
 UNION ALL
 SELECT 'stop', e.id::text, NULL, NULL, NULL, r.id::text, NULL, NULL
 FROM ended e
@@ -415,7 +419,11 @@ WHERE c.id NOT IN (SELECT f.id FROM failed f)
 UNION ALL
 SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
 FROM visible v
-WHERE v.id NOT IN (SELECT c.id FROM claimed c)
+-- Only a batch that comes back short looks for rows a command holds (the rows a
+-- phase leaves for the next cycle): while there is more to claim, the next batch
+-- meets them again. A one-time filter: a full batch never scans visible.
+WHERE (SELECT count(*) FROM claimed) < :batch_size
+  AND v.id NOT IN (SELECT c.id FROM claimed c)
 UNION ALL
 SELECT 'stop', f.id::text, NULL, NULL, NULL, r.id::text, NULL, NULL
 FROM failed f
