@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from reaper import budgets
 from reaper.clock import Monotonic, monotonic, parse_time, rfc3339, utcnow
 from reaper.config import Settings
-from reaper.db import engine_for, transaction
+from reaper.db import Session, engine_for, session, transaction
 from reaper.drain import Drained, SkippedLocked, drain
 from reaper.errors import describe
 from reaper.events import (
@@ -254,10 +254,15 @@ class Reaper:
         return not self.allow_mass_closure
 
     def _batch(
-        self, phase: Phase, run: Run, shortest: Shortest, only: list[str] | None = None
+        self,
+        lane: Session,
+        phase: Phase,
+        run: Run,
+        shortest: Shortest,
+        only: list[str] | None = None,
     ) -> BatchOutcome:
         """One batch, one transaction; poison rows are left out for the rest of the cycle."""
-        with transaction(self.engine, budgets.batch(self.settings)) as queries:
+        with lane.transaction() as queries:
             outcome = reap_batch(
                 queries,
                 phase,
@@ -274,7 +279,13 @@ class Reaper:
         return outcome
 
     def _isolate(
-        self, phase: Phase, run: Run, shortest: Shortest, ids: list[str], refused: DBAPIError
+        self,
+        lane: Session,
+        phase: Phase,
+        run: Run,
+        shortest: Shortest,
+        ids: list[str],
+        refused: DBAPIError,
     ) -> BatchOutcome:
         """The database refused a batch: the same batch in halves, each its own
         transaction, until the row it refuses is alone. That row is poison (left
@@ -291,11 +302,11 @@ class Reaper:
         outcome = BatchOutcome()
         for half in halves:
             try:
-                part = self._batch(phase, run, shortest, only=half)
+                part = self._batch(lane, phase, run, shortest, only=half)
             except DBAPIError as exc:
                 if not refused_by_database(exc):
                     raise
-                part = self._isolate(phase, run, shortest, half, exc)
+                part = self._isolate(lane, phase, run, shortest, half, exc)
             outcome = outcome.merge(part)
         return outcome
 
@@ -311,19 +322,19 @@ class Reaper:
         with transaction(self.engine, budgets.batch(settings)) as queries:
             shortest = tenant_windows(queries)
 
-        def batch() -> tuple[BatchOutcome, int, int]:
+        def batch(lane: Session) -> tuple[BatchOutcome, int, int]:
             began = time.time_ns()
             try:
-                outcome = self._batch(phase, run, shortest)
+                outcome = self._batch(lane, phase, run, shortest)
             except DBAPIError as exc:
                 if not refused_by_database(exc):
                     raise
-                with transaction(self.engine, budgets.batch(settings)) as queries:
+                with lane.transaction() as queries:
                     ids = candidates(
                         queries, phase, settings, as_of=run.as_of, excluded=run.excluded_now(),
                         shortest=shortest,
                     )  # fmt: skip
-                outcome = self._isolate(phase, run, shortest, ids, exc)
+                outcome = self._isolate(lane, phase, run, shortest, ids, exc)
                 outcome.candidates = len(ids)
             locked.add(
                 [r.conference_id for r in outcome.reaped]
@@ -361,6 +372,7 @@ class Reaper:
         drained: Drained = drain(
             batch,
             report,
+            session=lambda: session(self.engine, budgets.batch(settings)),
             full=lambda done: done[0].full(settings.batch_size),
             lanes=settings.drain_lanes,
             deadline=self.clock() + run.remaining.total_seconds(),

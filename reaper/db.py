@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, RootTransaction, create_engine, make_url, text
+from sqlalchemy.exc import SQLAlchemyError
 
 from reaper.budgets import Budget
 from reaper.queries import Queries
@@ -43,6 +44,44 @@ def transaction(engine: Engine, budget: Budget) -> Iterator[Queries]:
         queries = Queries(conn)
         queries.bound_transaction(budget)
         yield queries
+
+
+class Session:
+    """A connection held for many transactions, each within the session's budget."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[Queries]:
+        """One transaction, committed at the end (rolled back on an error)."""
+        with self.conn.begin():
+            yield Queries(self.conn)
+
+
+@contextmanager
+def session(engine: Engine, budget: Budget) -> Iterator[Session]:
+    """One connection for many transactions, each within ``budget``: a drain lane's.
+
+    A transaction through :func:`transaction` costs five round trips (the pool's
+    ping, BEGIN, the budget, the statement, COMMIT); a batch in a session costs
+    three, the budget being set once for the session (docs/performance.md). It is
+    reset before the connection goes back to the pool, or the connection is
+    discarded.
+    """
+    with engine.connect() as conn:
+        Queries(conn).bound_session(budget)
+        conn.commit()  # a session setting outlives the transaction that set it
+        try:
+            yield Session(conn)
+        finally:
+            try:
+                if conn.in_transaction():  # an error left it open
+                    conn.rollback()
+                Queries(conn).unbound_session()
+                conn.commit()
+            except SQLAlchemyError:  # the server ended the session: never reuse it
+                conn.invalidate()
 
 
 def begin(conn: Connection, budget: Budget) -> tuple[RootTransaction, Queries]:

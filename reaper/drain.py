@@ -1,6 +1,6 @@
 """The machinery of a phase: a batch function on N lanes until the work runs out.
 
-:func:`drain` calls ``batch()`` on ``lanes`` threads, each batch its own
+:func:`drain` calls ``batch(session)`` on ``lanes`` threads, each batch its own
 transaction, until one comes back short (nothing left), the deadline passes
 or a stop is asked. It always runs at least one batch, so a phase that is
 given no time left still makes progress. Why lanes: bench/ showed one
@@ -8,7 +8,9 @@ connection taking turns with itself (the statement, then the Python of its
 report, then the next statement); with lanes PostgreSQL works on more than one
 core while a committed batch is reported. Lanes claim disjoint rows (the
 statements use ``FOR UPDATE SKIP LOCKED``, oldest first). The other lanes start
-only after a full first batch, so a quiet phase stays one statement.
+only after a full first batch, so a quiet phase stays one statement. Each lane
+opens one ``session()`` (a held connection) for all of its batches: a batch then
+costs no pool checkout and no settings of its own.
 
 Each committed batch is handed to ``report`` on one teller thread while the
 next batches run; a lane waits for its previous report before handing in the
@@ -27,12 +29,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from reaper.clock import Monotonic
 
-B = TypeVar("B")
+B = TypeVar("B")  # what a batch returns
+S = TypeVar("S")  # what a lane holds for its batches (a database session)
 
 
 @dataclass
@@ -56,9 +60,10 @@ class _Lanes(Generic[B]):
 
 
 def drain(
-    batch: Callable[[], B],
+    batch: Callable[[S], B],
     report: Callable[[B], None],
     *,
+    session: Callable[[], AbstractContextManager[S]],
     full: Callable[[B], bool],
     lanes: int,
     deadline: float,
@@ -73,8 +78,8 @@ def drain(
 
         def lane() -> Future[None]:
             context = contextvars.copy_context()
-            return pool.submit(context.run, _lane, state, batch, report, teller, full, deadline,
-                               clock, stop)  # fmt: skip
+            return pool.submit(context.run, _lane, state, session, batch, report, teller, full,
+                               deadline, clock, stop)  # fmt: skip
 
         running = [lane()]
         try:
@@ -94,7 +99,8 @@ def drain(
 
 def _lane(
     state: _Lanes[B],
-    batch: Callable[[], B],
+    session: Callable[[], AbstractContextManager[S]],
+    batch: Callable[[S], B],
     report: Callable[[B], None],
     teller: ThreadPoolExecutor,
     full: Callable[[B], bool],
@@ -104,19 +110,20 @@ def _lane(
 ) -> None:
     told: Future[None] | None = None
     try:
-        while not state.halt.is_set():
-            outcome = batch()
-            state.counted()
-            if told is not None:
-                told.result()  # one report per lane in flight
-            told = teller.submit(contextvars.copy_context().run, report, outcome)
-            if not full(outcome):
-                state.result.drained = True
-                break
-            state.full = True
-            state.decided.set()
-            if clock() >= deadline or stop.is_set():
-                break
+        with session() as held:
+            while not state.halt.is_set():
+                outcome = batch(held)
+                state.counted()
+                if told is not None:
+                    told.result()  # one report per lane in flight
+                told = teller.submit(contextvars.copy_context().run, report, outcome)
+                if not full(outcome):
+                    state.result.drained = True
+                    break
+                state.full = True
+                state.decided.set()
+                if clock() >= deadline or stop.is_set():
+                    break
     except BaseException:
         state.halt.set()  # the other lanes end their batch in flight and stop
         raise

@@ -56,6 +56,17 @@ class Queries:
             statement_ms=str(budget.statement_ms),
         )
 
+    def bound_session(self, budget: Budget) -> None:
+        _run(
+            self.conn,
+            "bound_session",
+            idle_ms=str(budget.idle_ms),
+            statement_ms=str(budget.statement_ms),
+        )
+
+    def unbound_session(self) -> None:
+        _run(self.conn, "unbound_session")
+
     def database_clock(self) -> datetime:
         return _run(self.conn, "database_clock").scalar_one()
 

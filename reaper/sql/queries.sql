@@ -50,6 +50,18 @@ SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, true),
        set_config('statement_timeout', :statement_ms, true),
        set_config('lock_timeout', :statement_ms, true);
 
+-- name: bound_session
+-- The same budget for every transaction of a session held by a drain lane
+-- (db.session); undone by unbound_session before the pool has it back.
+SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, false),
+       set_config('statement_timeout', :statement_ms, false),
+       set_config('lock_timeout', :statement_ms, false);
+
+-- name: unbound_session
+RESET idle_in_transaction_session_timeout;
+RESET statement_timeout;
+RESET lock_timeout;
+
 -- name: database_clock
 -- The reference clock of every comparison (docs/design.md#time).
 SELECT clock_timestamp() AS now;

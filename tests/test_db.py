@@ -1,0 +1,116 @@
+"""A drain lane's database session (reaper.db.session) and the drain's lanes (reaper.drain)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.exc import DBAPIError
+
+from reaper.budgets import Budget
+from reaper.db import session
+from reaper.drain import drain
+
+BUDGET = Budget(idle=timedelta(seconds=7), statement=timedelta(seconds=3))
+SETTINGS = ("statement_timeout", "lock_timeout", "idle_in_transaction_session_timeout")
+
+
+@pytest.fixture
+def one_connection(database_url: str) -> Iterator[Engine]:
+    """A pool of exactly one connection: what a session leaves behind is what the
+    next user gets."""
+    engine = create_engine(database_url, pool_size=1, max_overflow=0, pool_pre_ping=True)
+    yield engine
+    engine.dispose()
+
+
+def shown(conn) -> tuple[str, ...]:
+    return tuple(conn.execute(text(f"SHOW {name}")).scalar_one() for name in SETTINGS)
+
+
+def test_every_transaction_of_a_session_is_bounded_and_the_pool_gets_it_back_clean(
+    one_connection: Engine,
+) -> None:
+    with one_connection.connect() as conn:
+        defaults = shown(conn)
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with session(one_connection, BUDGET) as lane:
+        for _ in range(2):
+            with lane.transaction() as queries:
+                assert shown(queries.conn) == ("3s", "3s", "7s")
+    with one_connection.connect() as conn:
+        assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() == pid  # the same one
+        assert shown(conn) == defaults
+
+
+def test_a_failed_transaction_rolls_back_and_the_session_goes_on(one_connection: Engine) -> None:
+    with session(one_connection, BUDGET) as lane:
+        with pytest.raises(DBAPIError), lane.transaction() as queries:
+            queries.conn.execute(text("CREATE TEMP TABLE lost (x int)"))
+            queries.conn.execute(text("SELECT 1 / 0"))
+        with lane.transaction() as queries:
+            assert queries.conn.execute(text("SELECT to_regclass('lost')")).scalar() is None
+            assert shown(queries.conn) == ("3s", "3s", "7s")
+
+
+def test_a_statement_past_the_budget_is_cancelled(one_connection: Engine) -> None:
+    tight = Budget(idle=timedelta(seconds=5), statement=timedelta(milliseconds=200))
+    with (
+        session(one_connection, tight) as lane,
+        pytest.raises(DBAPIError, match="statement timeout"),
+        lane.transaction() as queries,
+    ):
+        queries.conn.execute(text("SELECT pg_sleep(2)"))
+
+
+def test_a_session_the_server_ended_is_discarded_not_returned(
+    one_connection: Engine, engine: Engine
+) -> None:
+    with session(one_connection, BUDGET) as lane:
+        with lane.transaction() as queries:
+            pid = queries.conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        with engine.begin() as admin:
+            admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    with one_connection.connect() as conn:  # a new connection, with the defaults
+        assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
+        assert shown(conn)[0] == "0"
+
+
+def test_each_lane_holds_one_session_for_all_of_its_batches() -> None:
+    opened: list[int] = []
+    closed: list[int] = []
+    lock = threading.Lock()
+    left = iter(range(10))  # ten full batches, then a short one
+
+    @contextmanager
+    def lane_session() -> Iterator[int]:
+        with lock:
+            number = len(opened)
+            opened.append(number)
+        yield number
+        with lock:
+            closed.append(number)
+
+    def batch(held: int) -> tuple[int, bool]:
+        with lock:
+            full = next(left, None) is not None
+        return held, full
+
+    used: list[int] = []
+    done = drain(
+        batch,
+        lambda outcome: used.append(outcome[0]),
+        session=lane_session,
+        full=lambda outcome: outcome[1],
+        lanes=2,
+        deadline=float("inf"),
+        clock=lambda: 0.0,
+        stop=threading.Event(),
+    )
+    assert done.drained and done.batches >= 11
+    assert sorted(opened) == sorted(closed) == [0, 1]  # two lanes, one session each
+    assert set(used) == {0, 1}
