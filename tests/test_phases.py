@@ -237,6 +237,45 @@ def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, 
     assert old["id"] != live["id"] and marked == [live["id"]]
 
 
+def test_every_running_recording_of_a_room_is_stopped_once(settings, engine):
+    """One read of a room's recordings serves the event and the stop signals: all
+    running ones are signalled, one already asked to stop is not, the latest names
+    the event; a room without recordings says so."""
+    stops = []
+
+    class Recorder:
+        timeout = 2.0
+
+        def stop_all(self, requests):
+            stops.extend(requests)
+            return requests
+
+    with engine.begin() as conn:
+        room = f.conference(conn, idle=timedelta(minutes=5))
+        hours = [T0 - timedelta(hours=n) for n in range(4)]
+        first = f.recording(conn, room["id"], status="Recording", created_at=hours[2])
+        second = f.recording(conn, room["id"], status="Uploading", created_at=hours[1])
+        asked = f.recording(conn, room["id"], status="Recording", created_at=hours[3])
+        conn.execute(
+            text("UPDATE messenger.call_recordings SET stop_requested_at = :t WHERE id = :id"),
+            {"t": T0 - timedelta(minutes=1), "id": asked["id"]},
+        )
+        bare = f.conference(conn, idle=timedelta(minutes=5))
+    bus = Bus()
+    StopSignal(Recorder(), engine, bus).subscribe()  # type: ignore[arg-type]
+    result = reap(settings, engine, bus=bus)
+    assert result["empty_timeout_count"] == 2
+    assert sorted(s.recording_id for s in stops) == sorted([first["id"], second["id"]])
+    with engine.connect() as conn:
+        events = {e["payload"]["payload"]["conferenceId"]: e["payload"]["payload"]
+                  for e in f.outbox(conn)}  # fmt: skip
+    assert (events[room["id"]]["wasRecorded"], events[room["id"]]["recordingId"]) == (
+        True, second["id"]
+    )  # fmt: skip
+    assert (events[bare["id"]]["wasRecorded"], events[bare["id"]]["recordingId"]) == (False, None)
+    assert len(events) == 2
+
+
 def test_second_cycle_is_a_guarded_noop(settings, engine):
     with engine.begin() as conn:
         f.conference(conn, idle=timedelta(minutes=5))

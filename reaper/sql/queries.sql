@@ -233,6 +233,23 @@ roster AS (
     FROM ended
     WHERE p.conference_id = ended.id AND p.left_at IS NULL
 ),
+-- Each ended room's recordings, read once (one probe of ix_recordings_conference):
+-- the latest one names the event's recording, the running ones get a stop signal.
+-- Referenced twice, so computed once. The volatile id in this CTE's target list:
+-- one new id per row (a LATERAL without outer references may be evaluated once
+-- for the whole batch).
+ended_recordings AS (
+    SELECT e.*, gen_random_uuid() AS event_id, rec.latest_id, rec.running_ids
+    FROM ended e
+    LEFT JOIN LATERAL (
+        SELECT (array_agg(r.id ORDER BY r.created_at DESC, r.id DESC))[1] AS latest_id,
+               array_agg(r.id) FILTER (
+                   WHERE r.status IN ('Pending', 'Recording', 'Uploading')
+                     AND r.stop_requested_at IS NULL) AS running_ids
+        FROM messenger.call_recordings r
+        WHERE r.conference_id = e.id
+    ) rec ON true
+),
 integration AS (
     INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload, created_at)
     SELECT e.event_id, :topic, e.deal_id::text,
@@ -256,12 +273,10 @@ integration AS (
                    'durationSeconds', e.duration_seconds,
                    'peakParticipantCount', e.peak_participant_count,
                    'participants', coalesce(roster.list, '[]'::jsonb),
-                   'wasRecorded', rec.id IS NOT NULL,
-                   'recordingId', rec.id)),
+                   'wasRecorded', e.latest_id IS NOT NULL,
+                   'recordingId', e.latest_id)),
            now()
-    -- volatile in a subquery's target list: one new id per row (a LATERAL
-    -- without outer references may be evaluated once for the whole batch)
-    FROM (SELECT ended.*, gen_random_uuid() AS event_id FROM ended) e
+    FROM ended_recordings e
     LEFT JOIN LATERAL (
         SELECT jsonb_agg(jsonb_build_object(
                    'userId', p.user_id,
@@ -271,13 +286,6 @@ integration AS (
         FROM messenger.conference_participants p
         WHERE p.conference_id = e.id
     ) roster ON true
-    LEFT JOIN LATERAL (
-        SELECT r.id
-        FROM messenger.call_recordings r
-        WHERE r.conference_id = e.id
-        ORDER BY r.created_at DESC, r.id DESC
-        LIMIT 1
-    ) rec ON true
     ORDER BY e.ended_at, e.last_activity_at
 ),
 realtime AS (
@@ -331,17 +339,9 @@ FROM visible v
 WHERE (SELECT count(*) FROM claimed) < :batch_size
   AND v.id NOT IN (SELECT c.id FROM claimed c)
 UNION ALL
-SELECT 'stop', e.id::text, NULL, NULL, NULL, r.id::text, NULL, NULL
-FROM ended e
--- OFFSET 0 keeps it a per-room lookup on ix_recordings_conference: flattened
--- into a join, the planner may scan every recording for each batch
-CROSS JOIN LATERAL (
-    SELECT r.id
-    FROM messenger.call_recordings r
-    WHERE r.conference_id = e.id
-      AND r.status IN ('Pending', 'Recording', 'Uploading') AND r.stop_requested_at IS NULL
-    OFFSET 0
-) r;
+SELECT 'stop', e.id::text, NULL, NULL, NULL, running.id::text, NULL, NULL
+FROM ended_recordings e
+CROSS JOIN LATERAL unnest(e.running_ids) AS running(id);
 
 -- name: fail_provisioning_batch
 WITH visible AS (
