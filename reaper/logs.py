@@ -83,8 +83,7 @@ class JsonFormatter(logging.Formatter):
         if cached != second:
             text = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
             self._second = (second, text)
-        micros = min(999_999, round((created - second) * 1_000_000))
-        return f"{text}.{micros:06d}+00:00"
+        return f"{text}.{int((created - second) * 1_000_000):06d}+00:00"
 
 
 def configure(level: str = "INFO") -> None:

@@ -164,33 +164,32 @@ def reap_batch(
             topic=settings.conference_ended_topic,
         )
     outcome = BatchOutcome()
-    for row in rows:
-        conference_id = row.conference_id
-        if row.kind == "reaped":
+    # Unpacked in the statements' column order ("Result rows of a phase statement"
+    # in sql/queries.sql): one step per row instead of a lookup per column.
+    for kind, conference_id, chat_id, deal_id, duration, detail, tenant_id, lateness in rows:
+        if kind == "reaped":
             outcome.reaped.append(
                 ConferenceReaped(
                     run_id,
                     phase.name,
                     conference_id,
-                    row.chat_id,
-                    row.deal_id,
-                    row.tenant_id,
+                    chat_id,
+                    deal_id,
+                    tenant_id,
                     phase.status,
                     phase.end_reason,
-                    row.duration_seconds,
-                    row.lateness_seconds,
+                    duration,
+                    lateness,
                 )
             )
-            if row.detail is not None:
+            if detail is not None:
                 outcome.anomalies.append(
-                    ConferenceAnomaly(run_id, phase.name, conference_id, row.detail)
+                    ConferenceAnomaly(run_id, phase.name, conference_id, detail)
                 )
-        elif row.kind == "poison":
-            outcome.rejected.append(
-                ConferenceRejected(run_id, phase.name, conference_id, row.detail)
-            )
-        elif row.kind == "locked":
+        elif kind == "poison":
+            outcome.rejected.append(ConferenceRejected(run_id, phase.name, conference_id, detail))
+        elif kind == "locked":
             outcome.locked.append(conference_id)
         else:
-            outcome.stops.append(StopRequest(row.detail, conference_id, phase.end_reason))
+            outcome.stops.append(StopRequest(detail, conference_id, phase.end_reason))
     return outcome
