@@ -1,6 +1,7 @@
 """Every time budget of a database transaction, named in one place.
 
-PostgreSQL enforces them (``SET LOCAL`` through ``Queries.bound_transaction``):
+PostgreSQL enforces them (``SET LOCAL`` through ``Queries.bound_transaction``,
+or once for a drain lane's session through ``Queries.bound_session``):
 a statement that runs too long, or a lock wait, is cancelled
 (``statement_timeout``, ``lock_timeout``), and a session that sits idle inside
 its transaction too long is ended (``idle_in_transaction_session_timeout``),

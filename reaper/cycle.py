@@ -6,9 +6,10 @@ traces. A cycle is :meth:`Reaper.start` (take the run, or be skipped),
 tasks call these three, each phase in a task of its own; ``reaper reap
 --once`` calls :meth:`Reaper.run_cycle`, which calls the very same three.
 
-What happened is told as facts (:mod:`reaper.events`) once committed; the
-machinery of a phase's batches is :mod:`reaper.drain`, the run's ownership
-:mod:`reaper.runs`.
+What happened is told as facts (:mod:`reaper.events`) once committed. A
+phase's batches are :class:`PhaseBatches` (one batch, a refused batch in parts,
+the report of a committed one), run on lanes by :mod:`reaper.drain`; the run's
+ownership is :mod:`reaper.runs`.
 """
 
 from __future__ import annotations
@@ -253,145 +254,156 @@ class Reaper:
         )  # fmt: skip
         return not self.allow_mass_closure
 
-    def _batch(
-        self,
-        lane: Session,
-        phase: Phase,
-        run: Run,
-        shortest: Shortest,
-        only: list[str] | None = None,
-    ) -> BatchOutcome:
-        """One batch, one transaction; poison rows are left out for the rest of the cycle."""
-        with lane.transaction() as queries:
-            outcome = reap_batch(
-                queries,
-                phase,
-                self.settings,
-                as_of=run.as_of,
-                run_id=run.run_id,
-                excluded=run.excluded_now(),
-                only=only,
-                shortest=shortest,
-            )
-            # Before the commit: a lane whose batch starts after it leaves them out.
-            fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
-            outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]
-        return outcome
-
-    def _isolate(
-        self,
-        lane: Session,
-        phase: Phase,
-        run: Run,
-        shortest: Shortest,
-        ids: list[str],
-        refused: DBAPIError,
-    ) -> BatchOutcome:
-        """The database refused a batch: the same batch in halves, each its own
-        transaction, until the row it refuses is alone. That row is poison (left
-        out for the cycle, counted, logged); every other row commits."""
-        if not ids:
-            return BatchOutcome()
-        if len(ids) == 1:
-            if not run.exclude(ids):  # another lane isolated it first
-                return BatchOutcome()
-            return BatchOutcome(
-                rejected=[ConferenceRejected(run.run_id, phase.name, ids[0], describe(refused))]
-            )
-        halves = (ids[: len(ids) // 2], ids[len(ids) // 2 :])
-        outcome = BatchOutcome()
-        for half in halves:
-            try:
-                part = self._batch(lane, phase, run, shortest, only=half)
-            except DBAPIError as exc:
-                if not refused_by_database(exc):
-                    raise
-                part = self._isolate(lane, phase, run, shortest, half, exc)
-            outcome = outcome.merge(part)
-        return outcome
-
     def _drain(self, phase: Phase, run: Run, started_ns: int) -> PhaseCompleted:
         """The phase's batches on ``REAPER_DRAIN_LANES`` lanes until the work runs out."""
         settings = self.settings
-        locked = SkippedLocked(settings.drain_lanes)
-        reaped = rejected = 0
         # The shortest tenant windows bound every batch's index range: read once
         # per phase, as its pause is (a window made shorter meanwhile applies from
         # the next phase; a longer one at once: each row's own window is read by
         # the batch statement itself). docs/design.md#windows-per-tenant
         with transaction(self.engine, budgets.batch(settings)) as queries:
             shortest = tenant_windows(queries)
-
-        def batch(lane: Session) -> tuple[BatchOutcome, int, int]:
-            began = time.time_ns()
-            try:
-                outcome = self._batch(lane, phase, run, shortest)
-            except DBAPIError as exc:
-                if not refused_by_database(exc):
-                    raise
-                with lane.transaction() as queries:
-                    ids = candidates(
-                        queries, phase, settings, as_of=run.as_of, excluded=run.excluded_now(),
-                        shortest=shortest,
-                    )  # fmt: skip
-                outcome = self._isolate(lane, phase, run, shortest, ids, exc)
-                outcome.candidates = len(ids)
-            locked.add(
-                [r.conference_id for r in outcome.reaped]
-                + [r.conference_id for r in outcome.rejected],
-                outcome.locked,
-            )
-            return outcome, began, time.time_ns()
-
-        def report(done: tuple[BatchOutcome, int, int]) -> None:  # the teller thread only
-            nonlocal reaped, rejected
-            outcome, began, ended = done
-            reaped += len(outcome.reaped)
-            rejected += len(outcome.rejected)
-            run.counts[phase.count_key] += len(outcome.reaped)
-            run.counts["failed_count"] += len(outcome.rejected)
-            self.bus.emit(
-                BatchCommitted(
-                    run.run_id,
-                    phase.name,
-                    phase.outcome,
-                    outcome.claimed,
-                    tuple(outcome.reaped),
-                    tuple(outcome.rejected),
-                    len(outcome.locked),
-                    tuple(outcome.stops),
-                    began,
-                    ended,
-                )
-            )
-            self.bus.emit_each(outcome.reaped, ConferenceReaped)
-            self.bus.emit_each(outcome.rejected, ConferenceRejected)
-            for anomaly in outcome.anomalies:
-                self.bus.emit(anomaly)
-
+        batches = PhaseBatches(settings, self.bus, phase, run, shortest)
         drained: Drained = drain(
-            batch,
-            report,
+            batches.batch,
+            batches.report,
             session=lambda: session(self.engine, budgets.batch(settings)),
-            full=lambda done: done[0].full(settings.batch_size),
+            full=lambda done: done.outcome.full(settings.batch_size),
             lanes=settings.drain_lanes,
             deadline=self.clock() + run.remaining.total_seconds(),
             clock=self.clock,
             stop=self.stop_event,
         )
-        skipped_locked = len(locked)
+        skipped_locked = len(batches.locked)
         run.counts["skipped_locked_count"] += skipped_locked
         return PhaseCompleted(
             run.run_id,
             phase.name,
             drained.batches,
-            reaped,
-            rejected,
+            batches.reaped,
+            batches.rejected,
             skipped_locked,
             drained.drained,
             started_ns,
             time.time_ns(),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A committed batch, as a lane hands it to the report."""
+
+    outcome: BatchOutcome
+    began_ns: int
+    ended_ns: int
+
+
+class PhaseBatches:
+    """One phase's batches in one cycle: what a lane runs (:meth:`batch`, on its
+    own session) and what the teller thread reports once committed (:meth:`report`).
+    """
+
+    def __init__(
+        self, settings: Settings, bus: Bus, phase: Phase, run: Run, shortest: Shortest
+    ) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.phase = phase
+        self.run = run
+        self.shortest = shortest
+        self.locked = SkippedLocked(settings.drain_lanes)
+        self.reaped = 0  # counted by report() alone (one thread)
+        self.rejected = 0
+
+    def batch(self, lane: Session) -> Done:
+        """The next batch; a batch the database refuses is retried in parts."""
+        began = time.time_ns()
+        try:
+            outcome = self._batch(lane)
+        except DBAPIError as exc:
+            if not refused_by_database(exc):
+                raise
+            with lane.transaction() as queries:
+                ids = candidates(
+                    queries, self.phase, self.settings, as_of=self.run.as_of,
+                    excluded=self.run.excluded_now(), shortest=self.shortest,
+                )  # fmt: skip
+            outcome = self._isolate(lane, ids, exc)
+            outcome.candidates = len(ids)
+        self.locked.add(
+            [r.conference_id for r in outcome.reaped] + [r.conference_id for r in outcome.rejected],
+            outcome.locked,
+        )
+        return Done(outcome, began, time.time_ns())
+
+    def report(self, done: Done) -> None:
+        """Count a committed batch and tell it (the teller thread only)."""
+        outcome, run, phase = done.outcome, self.run, self.phase
+        self.reaped += len(outcome.reaped)
+        self.rejected += len(outcome.rejected)
+        run.counts[phase.count_key] += len(outcome.reaped)
+        run.counts["failed_count"] += len(outcome.rejected)
+        self.bus.emit(
+            BatchCommitted(
+                run.run_id,
+                phase.name,
+                phase.outcome,
+                outcome.claimed,
+                tuple(outcome.reaped),
+                tuple(outcome.rejected),
+                len(outcome.locked),
+                tuple(outcome.stops),
+                done.began_ns,
+                done.ended_ns,
+            )
+        )
+        self.bus.emit_each(outcome.reaped, ConferenceReaped)
+        self.bus.emit_each(outcome.rejected, ConferenceRejected)
+        for anomaly in outcome.anomalies:
+            self.bus.emit(anomaly)
+
+    def _batch(self, lane: Session, only: list[str] | None = None) -> BatchOutcome:
+        """One batch, one transaction; poison rows are left out for the rest of the cycle."""
+        run = self.run
+        with lane.transaction() as queries:
+            outcome = reap_batch(
+                queries,
+                self.phase,
+                self.settings,
+                as_of=run.as_of,
+                run_id=run.run_id,
+                excluded=run.excluded_now(),
+                only=only,
+                shortest=self.shortest,
+            )
+            # Before the commit: a lane whose batch starts after it leaves them out.
+            fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
+            outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]
+        return outcome
+
+    def _isolate(self, lane: Session, ids: list[str], refused: DBAPIError) -> BatchOutcome:
+        """The database refused a batch: the same batch in halves, each its own
+        transaction, until the row it refuses is alone. That row is poison (left
+        out for the cycle, counted, logged); every other row commits."""
+        if not ids:
+            return BatchOutcome()
+        if len(ids) == 1:
+            if not self.run.exclude(ids):  # another lane isolated it first
+                return BatchOutcome()
+            rejected = ConferenceRejected(
+                self.run.run_id, self.phase.name, ids[0], describe(refused)
+            )
+            return BatchOutcome(rejected=[rejected])
+        outcome = BatchOutcome()
+        for half in (ids[: len(ids) // 2], ids[len(ids) // 2 :]):
+            try:
+                part = self._batch(lane, only=half)
+            except DBAPIError as exc:
+                if not refused_by_database(exc):
+                    raise
+                part = self._isolate(lane, half, exc)
+            outcome = outcome.merge(part)
+        return outcome
 
 
 def refused_by_database(exc: DBAPIError) -> bool:

@@ -85,7 +85,7 @@ class BatchOutcome:
     stops: list[StopRequest] = field(default_factory=list)
     # reaped rooms whose duration could not be given (docs/design.md#anomalies)
     anomalies: list[ConferenceAnomaly] = field(default_factory=list)
-    # a batch retried in parts (cycle.Reaper._isolate): the rows it was made of;
+    # a batch retried in parts (cycle.PhaseBatches._isolate): the rows it was made of;
     # a sibling lane may have claimed some of them meanwhile
     candidates: int = 0
 
