@@ -25,7 +25,7 @@ from reaper.overview import plan, status
 from reaper.wiring import Gauges
 from tests.support import factory as f
 from tests.support.factory import T0
-from tests.support.facts import FactRecorder, log_events
+from tests.support.facts import FactRecorder, count_events, log_events
 from tests.support.processes import Worker, run_cli, wait_until
 
 A = "aaaaaaaa-0000-4000-8000-000000000001"
@@ -557,7 +557,7 @@ def test_the_worker_keeps_a_tenants_room_until_its_policy_is_unset(engine, tmp_p
                    "B's room closed")  # fmt: skip
 
         def cycles() -> int:
-            return worker.output().count('"event": "cycle.completed"')
+            return count_events(worker.output(), "cycle.completed")
 
         seen = cycles()
         wait_until(lambda: cycles() >= seen + 3, 30, "three more cycles")

@@ -21,6 +21,7 @@ from sqlalchemy import Engine, create_engine, text
 
 from reaper.db import migrate
 from tests.support import factory as f
+from tests.support.facts import count_events
 from tests.support.invariants import audit_engine
 from tests.support.kafka import Tansu, create_topic, read_topic
 from tests.support.ports import free_port
@@ -120,7 +121,7 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
     final.assert_clean()
     assert final.ended == final.integration == final.realtime == BACKLOG
     assert live_before > 0  # the crash did hit a cycle with work left
-    failed_phases = out.count('"event": "phase.failed"')
+    failed_phases = count_events(out, "phase.failed")
     assert failed_phases >= 1
     seen = during[-1]
     engine.dispose()

@@ -6,7 +6,6 @@ Default run: 20 s of load; ``REAPER_SOAK=1``: 5 minutes."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import threading
@@ -19,6 +18,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from tests.support import factory as f
+from tests.support.facts import output_events
 from tests.support.invariants import audit_engine
 from tests.support.kafka import create_topic, read_topic
 from tests.support.processes import Worker, wait_until
@@ -32,11 +32,7 @@ def now() -> datetime:
 
 
 def events_in(log: str, name: str) -> list[dict]:
-    out = []
-    for line in log.splitlines():
-        if line.startswith("{") and f'"event": "{name}"' in line:
-            out.append(json.loads(line))
-    return out
+    return output_events(log, name)
 
 
 class Seeder(threading.Thread):

@@ -3,6 +3,7 @@ a thread-safe stepping clock, and the log events of a captured run."""
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import TypeVar
 
@@ -67,6 +68,26 @@ class SteppingClock:
         with self._lock:
             self._now += self.step
             return self._now
+
+
+def output_events(output: str, name: str | None = None) -> list[dict]:
+    """The JSON log lines in a process's output (other lines skipped), parsed;
+    only those with this ``event`` name when one is given."""
+    found = []
+    for line in output.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and (name is None or entry.get("event") == name):
+            found.append(entry)
+    return found
+
+
+def count_events(output: str, name: str) -> int:
+    return len(output_events(output, name))
 
 
 def log_events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
