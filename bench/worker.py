@@ -151,23 +151,22 @@ def forget_broker_keys(prefix: str) -> None:
         client.close()
 
 
-def realtime_rows(url: str) -> int:
+def count(url: str, sql: str) -> int:
     conn = connect(url)
     with conn, conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM messenger.realtime_outbox")
-        (count,) = cur.fetchone()
+        cur.execute(sql)
+        (found,) = cur.fetchone()
     conn.close()
-    return count
+    return found
+
+
+def realtime_rows(url: str) -> int:
+    return count(url, "SELECT count(*) FROM messenger.realtime_outbox")
 
 
 def open_runs(url: str) -> int:
     """Cycles that have not finished (messenger.reaper_runs)."""
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM messenger.reaper_runs WHERE finished_at IS NULL")
-        (count,) = cur.fetchone()
-    conn.close()
-    return count
+    return count(url, "SELECT count(*) FROM messenger.reaper_runs WHERE finished_at IS NULL")
 
 
 def drain(

@@ -22,6 +22,19 @@ def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
     return Reaper(settings, engine=engine, **kwargs).run_cycle(as_of)
 
 
+class TakingRecorder:
+    """A recorder that takes every stop signal, and keeps them."""
+
+    timeout = 2.0
+
+    def __init__(self) -> None:
+        self.taken: list = []
+
+    def stop_all(self, requests: list) -> list:
+        self.taken.extend(requests)
+        return requests
+
+
 
 def test_empty_batch_is_a_noop(settings, engine):
     with engine.begin() as conn:
@@ -198,15 +211,8 @@ def test_stale_live_ends_with_timeout_and_event(settings, engine):
 
 
 def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, engine):
-    stops = []
-
-    class Recorder:
-        timeout = 2.0
-
-        def stop_all(self, requests):
-            stops.extend(requests)
-            return requests
-
+    recorder = TakingRecorder()
+    stops = recorder.taken
     with engine.begin() as conn:
         room = f.conference(conn, idle=timedelta(minutes=5))
         old = f.recording(conn, room["id"], status="Available", created_at=T0 - timedelta(hours=1))
@@ -214,7 +220,7 @@ def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, 
         done_room = f.conference(conn, idle=timedelta(minutes=5))
         f.recording(conn, done_room["id"], status="Available")
     bus = Bus()
-    StopSignal(Recorder(), engine, bus).subscribe()  # type: ignore[arg-type]
+    StopSignal(recorder, engine, bus).subscribe()  # type: ignore[arg-type]
     reap(settings, engine, bus=bus)
     assert [(s.recording_id, s.conference_id, s.reason) for s in stops] == [
         (live["id"], room["id"], "EmptyTimeout")
@@ -241,15 +247,8 @@ def test_every_running_recording_of_a_room_is_stopped_once(settings, engine):
     """One read of a room's recordings serves the event and the stop signals: all
     running ones are signalled, one already asked to stop is not, the latest names
     the event; a room without recordings says so."""
-    stops = []
-
-    class Recorder:
-        timeout = 2.0
-
-        def stop_all(self, requests):
-            stops.extend(requests)
-            return requests
-
+    recorder = TakingRecorder()
+    stops = recorder.taken
     with engine.begin() as conn:
         room = f.conference(conn, idle=timedelta(minutes=5))
         hours = [T0 - timedelta(hours=n) for n in range(4)]
@@ -262,7 +261,7 @@ def test_every_running_recording_of_a_room_is_stopped_once(settings, engine):
         )
         bare = f.conference(conn, idle=timedelta(minutes=5))
     bus = Bus()
-    StopSignal(Recorder(), engine, bus).subscribe()  # type: ignore[arg-type]
+    StopSignal(recorder, engine, bus).subscribe()  # type: ignore[arg-type]
     result = reap(settings, engine, bus=bus)
     assert result["empty_timeout_count"] == 2
     assert sorted(s.recording_id for s in stops) == sorted([first["id"], second["id"]])
