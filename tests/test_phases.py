@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
@@ -22,6 +25,23 @@ def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
     return Reaper(settings, engine=engine, **kwargs).run_cycle(as_of)
 
 
+@contextmanager
+def command_holding(engine: Engine, conference_id: str) -> Iterator[tuple[Connection, Any]]:
+    """A command's transaction holding a room's row lock until it commits or ends."""
+    command = engine.connect()
+    tx = command.begin()
+    command.execute(
+        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
+        {"id": conference_id},
+    )
+    try:
+        yield command, tx
+    finally:
+        if tx.is_active:
+            tx.rollback()
+        command.close()
+
+
 class TakingRecorder:
     """A recorder that takes every stop signal, and keeps them."""
 
@@ -33,7 +53,6 @@ class TakingRecorder:
     def stop_all(self, requests: list) -> list:
         self.taken.extend(requests)
         return requests
-
 
 
 def test_empty_batch_is_a_noop(settings, engine):
@@ -303,13 +322,7 @@ def test_race_with_end_conference_row_locked_is_skipped_not_waited(settings, eng
     with engine.begin() as conn:
         busy = f.conference(conn, idle=timedelta(minutes=5))
         free = f.conference(conn, idle=timedelta(minutes=4))
-    command = engine.connect()
-    tx = command.begin()
-    command.execute(
-        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
-        {"id": busy["id"]},
-    )
-    try:
+    with command_holding(engine, busy["id"]) as (command, tx):
         done = threading.Event()
         result: dict = {}
         runner = threading.Thread(
@@ -326,8 +339,6 @@ def test_race_with_end_conference_row_locked_is_skipped_not_waited(settings, eng
             {"t": T0, "id": busy["id"]},
         )
         tx.commit()
-    finally:
-        command.close()
     assert result["empty_timeout_count"] == 1
     assert result["skipped_locked_count"] == 1
     again = reap(settings, engine)
@@ -346,24 +357,16 @@ def test_a_row_held_through_full_batches_is_counted_once_the_phase_runs_short(se
     with engine.begin() as conn:
         busy = f.conference(conn, idle=timedelta(minutes=9))  # the oldest: met by every batch
         free = [f.conference(conn, idle=timedelta(minutes=8 - i)) for i in range(4)]
-    command = engine.connect()
-    tx = command.begin()
-    command.execute(
-        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
-        {"id": busy["id"]},
-    )
-    try:
+    with command_holding(engine, busy["id"]):
         small = settings.model_copy(update={"batch_size": 2, "drain_lanes": 1})
         result = reap(small, engine)
-    finally:
-        tx.rollback()
-        command.close()
     assert (result["empty_timeout_count"], result["skipped_locked_count"]) == (4, 1)
     again = reap(settings, engine)
     assert (again["empty_timeout_count"], again["skipped_locked_count"]) == (1, 0)
     with engine.connect() as conn:
         assert {i for i, (status, _) in f.statuses(conn).items() if status == "Ended"} == {
-            busy["id"], *(room["id"] for room in free)
+            busy["id"],
+            *(room["id"] for room in free),
         }
 
 
