@@ -99,6 +99,11 @@ def test_a_value_json_cannot_hold_is_written_as_its_text(captured: io.StringIO) 
     assert lines(captured)[0]["value"] == "odd"
 
 
+def test_a_mapping_with_keys_that_are_not_text_is_still_written(captured: io.StringIO) -> None:
+    log(get_logger("cycle"), "x.y", per_phase={1: "a", "b": 2})
+    assert lines(captured)[0]["per_phase"] == {"1": "a", "b": 2}
+
+
 def test_the_plain_message_names_the_event_and_its_fields(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="reaper"):
         log(get_logger("cycle"), "phase.completed", phase="empty_room", reaped=2)
