@@ -65,17 +65,8 @@ def test_two_lanes_count_only_the_rows_someone_else_holds(database_url, engine, 
                 " ORDER BY last_activity_at LIMIT 1"
             )
         ).scalar_one()
-    command = engine.connect()
-    tx = command.begin()
-    command.execute(
-        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
-        {"id": held},
-    )
-    try:
+    with f.command_holding(engine, held):
         result = Reaper(settings, engine=engine).run_cycle(T0)
-    finally:
-        tx.rollback()
-        command.close()
     assert result["empty_timeout_count"] == 999
     assert result["skipped_locked_count"] == 1
     told = [r for r in caplog.records if getattr(r, "event", None) == "batch.selected"]

@@ -72,9 +72,7 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before[k] for k in before if after[k] != before[k]}
 
 
-def test_a_cycle_counts_items_lateness_errors_and_measures_the_backlog(
-    settings, refusing_database
-):
+def test_a_cycle_counts_items_lateness_errors_and_measures_the_backlog(settings, refusing_database):
     engine = refusing_database
     now = f.db_now(engine)
     with engine.begin() as conn:
@@ -141,11 +139,7 @@ def test_rows_held_by_a_command_are_counted_as_skip_locked(settings, engine):
         held = f.conference(conn, idle=timedelta(seconds=100))
         f.conference(conn, idle=timedelta(seconds=100))
     before = snapshot()
-    with engine.connect() as command, command.begin():
-        command.execute(
-            text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
-            {"id": held["id"]},
-        )
+    with f.command_holding(engine, held["id"]):
         result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["skipped_locked_count"] == 1
     assert delta(before, snapshot())["skip_locked"] == 1

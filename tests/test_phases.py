@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Engine, text
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
@@ -23,23 +20,6 @@ from tests.support.facts import SteppingClock, log_events
 
 def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
     return Reaper(settings, engine=engine, **kwargs).run_cycle(as_of)
-
-
-@contextmanager
-def command_holding(engine: Engine, conference_id: str) -> Iterator[tuple[Connection, Any]]:
-    """A command's transaction holding a room's row lock until it commits or ends."""
-    command = engine.connect()
-    tx = command.begin()
-    command.execute(
-        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
-        {"id": conference_id},
-    )
-    try:
-        yield command, tx
-    finally:
-        if tx.is_active:
-            tx.rollback()
-        command.close()
 
 
 class TakingRecorder:
@@ -322,7 +302,7 @@ def test_race_with_end_conference_row_locked_is_skipped_not_waited(settings, eng
     with engine.begin() as conn:
         busy = f.conference(conn, idle=timedelta(minutes=5))
         free = f.conference(conn, idle=timedelta(minutes=4))
-    with command_holding(engine, busy["id"]) as (command, tx):
+    with f.command_holding(engine, busy["id"]) as (command, tx):
         done = threading.Event()
         result: dict = {}
         runner = threading.Thread(
@@ -357,7 +337,7 @@ def test_a_row_held_through_full_batches_is_counted_once_the_phase_runs_short(se
     with engine.begin() as conn:
         busy = f.conference(conn, idle=timedelta(minutes=9))  # the oldest: met by every batch
         free = [f.conference(conn, idle=timedelta(minutes=8 - i)) for i in range(4)]
-    with command_holding(engine, busy["id"]):
+    with f.command_holding(engine, busy["id"]):
         small = settings.model_copy(update={"batch_size": 2, "drain_lanes": 1})
         result = reap(small, engine)
     assert (result["empty_timeout_count"], result["skipped_locked_count"]) == (4, 1)

@@ -31,10 +31,6 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
-def events_in(log: str, name: str) -> list[dict]:
-    return output_events(log, name)
-
-
 class Seeder(threading.Thread):
     """Rooms that become eligible a second or three after they are written."""
 
@@ -100,7 +96,7 @@ def test_two_worker_replicas_reap_each_room_exactly_once(engine, kafka_broker, t
     audit.assert_clean()  # one outbox + one realtime row each, nothing orphaned
     assert audit.ended + audit.failed == len(seeder.rooms)
     reaped = [
-        Counter(e["conference_id"] for e in events_in(log, "conference.reaped")) for log in logs
+        Counter(e["conference_id"] for e in output_events(log, "conference.reaped")) for log in logs
     ]
     both = reaped[0] + reaped[1]
     assert set(both) == set(seeder.rooms)
@@ -116,8 +112,8 @@ def test_two_worker_replicas_reap_each_room_exactly_once(engine, kafka_broker, t
             text("SELECT count(*) FROM messenger.integration_outbox WHERE published_at IS NULL")
         ).scalar_one()
     assert unpublished == 0
-    cycles = [len(events_in(log, "cycle.completed")) for log in logs]
-    skipped = [len(events_in(log, "cycle.skipped")) for log in logs]
+    cycles = [len(output_events(log, "cycle.completed")) for log in logs]
+    skipped = [len(output_events(log, "cycle.skipped")) for log in logs]
     kinds = Counter(seeder.rooms.values())
     with capsys.disabled():
         print(

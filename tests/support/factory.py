@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, RootTransaction, text
 
 T0 = datetime(2026, 12, 2, 10, 0, 0, tzinfo=UTC)
 
@@ -208,3 +210,23 @@ FOR EACH ROW EXECUTE FUNCTION messenger.test_refuse();
 def refuse(conn: Connection, conference_id: str) -> None:
     """Under the refusing_database fixture: the database refuses this row's update."""
     conn.execute(text("INSERT INTO messenger.test_refused VALUES (:id)"), {"id": conference_id})
+
+
+@contextmanager
+def command_holding(
+    engine: Engine, conference_id: str
+) -> Iterator[tuple[Connection, RootTransaction]]:
+    """A command's transaction holding a room's row lock (FOR UPDATE) until it
+    commits or the block ends (then it rolls back)."""
+    command = engine.connect()
+    tx = command.begin()
+    command.execute(
+        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
+        {"id": conference_id},
+    )
+    try:
+        yield command, tx
+    finally:
+        if tx.is_active:
+            tx.rollback()
+        command.close()
