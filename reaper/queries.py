@@ -49,19 +49,18 @@ class Queries:
         self.conn = conn
 
     def bound_transaction(self, budget: Budget) -> None:
-        _run(
-            self.conn,
-            "bound_transaction",
-            idle_ms=str(budget.idle_ms),
-            statement_ms=str(budget.statement_ms),
-        )
+        self._bound(budget, is_local=True)
 
     def bound_session(self, budget: Budget) -> None:
+        self._bound(budget, is_local=False)
+
+    def _bound(self, budget: Budget, *, is_local: bool) -> None:
         _run(
             self.conn,
-            "bound_session",
+            "bound",
             idle_ms=str(budget.idle_ms),
             statement_ms=str(budget.statement_ms),
+            is_local=is_local,
         )
 
     def unbound_session(self) -> None:

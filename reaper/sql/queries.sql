@@ -44,18 +44,14 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-rea
 -- wait for it, within the transaction's lock_timeout.
 SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0));
 
--- name: bound_transaction
--- A stuck holder is ended by the server, which frees its locks (budgets.py).
-SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, true),
-       set_config('statement_timeout', :statement_ms, true),
-       set_config('lock_timeout', :statement_ms, true);
-
--- name: bound_session
--- The same budget for every transaction of a session held by a drain lane
--- (db.session); undone by unbound_session before the pool has it back.
-SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, false),
-       set_config('statement_timeout', :statement_ms, false),
-       set_config('lock_timeout', :statement_ms, false);
+-- name: bound
+-- A time budget (budgets.py): for the current transaction (:is_local true), or
+-- for every transaction of a session a drain lane holds (false; db.session,
+-- undone by unbound_session before the pool has the connection back). A stuck
+-- holder is ended by the server, which frees its locks.
+SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, :is_local),
+       set_config('statement_timeout', :statement_ms, :is_local),
+       set_config('lock_timeout', :statement_ms, :is_local);
 
 -- name: unbound_session
 RESET idle_in_transaction_session_timeout;
