@@ -1,35 +1,83 @@
 """Every time budget of a database transaction, named in one place.
 
-PostgreSQL enforces them (``SET LOCAL`` through ``Queries.bound_transaction``,
-or once for a drain lane's session through ``Queries.bound_session``):
-a statement that runs too long, or a lock wait, is cancelled
-(``statement_timeout``, ``lock_timeout``), and a session that sits idle inside
-its transaction too long is ended (``idle_in_transaction_session_timeout``),
-which frees every lock it held. That is how a hung runner loses the run lock
-within ``REAPER_LOCK_TTL`` (docs/design.md#the-single-runner-lock).
+PostgreSQL enforces them, for the current transaction only (``set_config(...,
+true)`` through ``Queries.bound_transaction``; never for the session, which a
+pooler in transaction mode would hand to another client): a statement that
+runs too long, or a lock wait, is cancelled (``statement_timeout``,
+``lock_timeout``); a session that sits idle inside its transaction too long is
+ended (``idle_in_transaction_session_timeout``), which frees every lock it
+held; and a client that stops acknowledging is given up within
+``REAPER_DATABASE_TCP_TIMEOUT`` (``tcp_user_timeout`` and keepalives), so a
+backend never holds a transaction's locks for a client that is gone. The
+worker's side of the same connection is bounded by :class:`Peer` (libpq).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from math import ceil
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from reaper.config import Settings
 
 # A lock check, the run bookkeeping, a mark: statements that touch a row or two.
+# Also the longest a transaction of a drain lane or a relay batch sits idle
+# between its statements: they are sent back to back.
 QUICK = timedelta(seconds=5)
 # Read-only statements of an operator command or a metrics scrape: never hang.
 READ = timedelta(seconds=10)
 # A relay batch's own statements (claim, mark) on a large backlog.
 RELAY_STATEMENT = timedelta(seconds=15)
+# The longest a caller waits for a connection of the process's own pool. The
+# pool is sized for what a phase holds at once (db.connections_needed), so a
+# wait this long means connections leak or the configuration is off: fail
+# with one line instead of stalling the phase.
+POOL_WAIT = timedelta(seconds=10)
+# Keepalive probes sent before a silent peer is given up; the first probe
+# leaves after a third of the TCP timeout, the rest are spread over the
+# remaining two thirds, so a silent peer is noticed within about that timeout
+# whether or not data is in flight (tcp_user_timeout covers the latter).
+KEEPALIVE_PROBES = 4
+
+
+@dataclass(frozen=True)
+class Peer:
+    """How long either side waits on a database connection that went silent."""
+
+    connect: timedelta  # REAPER_DATABASE_CONNECT_TIMEOUT
+    silence: timedelta  # REAPER_DATABASE_TCP_TIMEOUT
+
+    @property
+    def silence_ms(self) -> int:
+        return _ms(self.silence)
+
+    @property
+    def keepalive_idle_s(self) -> int:
+        return max(1, round(self.silence.total_seconds() / 3))
+
+    @property
+    def keepalive_interval_s(self) -> int:
+        return max(1, round(self.silence.total_seconds() * 2 / 3 / KEEPALIVE_PROBES))
+
+    def libpq(self) -> dict[str, int]:
+        """The worker's side: libpq connection parameters."""
+        return {
+            "connect_timeout": max(1, ceil(self.connect.total_seconds())),
+            "keepalives": 1,
+            "keepalives_idle": self.keepalive_idle_s,
+            "keepalives_interval": self.keepalive_interval_s,
+            "keepalives_count": KEEPALIVE_PROBES,
+            "tcp_user_timeout": self.silence_ms,
+        }
 
 
 @dataclass(frozen=True)
 class Budget:
     idle: timedelta  # idle_in_transaction_session_timeout
     statement: timedelta  # statement_timeout and lock_timeout
+    peer: Peer  # the server's side of the connection (tcp_user_timeout, keepalives)
 
     @property
     def idle_ms(self) -> int:
@@ -44,32 +92,43 @@ def _ms(duration: timedelta) -> int:
     return int(duration.total_seconds() * 1000)
 
 
+def peer(settings: Settings) -> Peer:
+    return Peer(connect=settings.database_connect_timeout, silence=settings.database_tcp_timeout)
+
+
 def run_lock(settings: Settings) -> Budget:
-    """The run lock's own transaction: idle while the phase's batches run."""
-    return Budget(idle=settings.lock_ttl, statement=QUICK)
+    """The run lock's own transaction. It sits idle while the phase's batches run
+    on other connections; the phase's heartbeat (runs.Heartbeat) speaks on it
+    several times per lease, so only a dead, frozen or hung owner is silent for a
+    whole REAPER_RUN_LEASE, and the server then ends it and frees the lock."""
+    return Budget(idle=settings.run_lease, statement=QUICK, peer=peer(settings))
 
 
 def batch(settings: Settings) -> Budget:
     """One phase batch: a statement never outlives the cycle's whole budget."""
-    return Budget(idle=settings.lock_ttl, statement=settings.max_run_duration)
+    return Budget(idle=QUICK, statement=settings.max_run_duration, peer=peer(settings))
 
 
-def quick() -> Budget:
-    return Budget(idle=QUICK, statement=QUICK)
+def quick(settings: Settings) -> Budget:
+    return Budget(idle=QUICK, statement=QUICK, peer=peer(settings))
 
 
-def read() -> Budget:
-    return Budget(idle=READ, statement=READ)
+def read(settings: Settings) -> Budget:
+    return Budget(idle=READ, statement=READ, peer=peer(settings))
 
 
 def relay_batch(settings: Settings) -> Budget:
     """A relay batch's transaction waits on Kafka (its acknowledgements and the
     batch before it): bounded, so a hung relay's row locks are freed and its
     rows sent again by the next pass."""
-    return Budget(idle=settings.kafka_timeout * 6 + timedelta(seconds=5), statement=RELAY_STATEMENT)
+    return Budget(
+        idle=settings.kafka_timeout * 6 + timedelta(seconds=5),
+        statement=RELAY_STATEMENT,
+        peer=peer(settings),
+    )
 
 
 def relay_pass(settings: Settings) -> Budget:
     """The relay lock's transaction idles for the whole pass."""
     idle = settings.relay_max_pass_duration + 6 * settings.kafka_timeout + timedelta(seconds=10)
-    return Budget(idle=idle, statement=QUICK)
+    return Budget(idle=idle, statement=QUICK, peer=peer(settings))

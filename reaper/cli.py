@@ -101,11 +101,11 @@ def _database_failed(settings: Settings, exc: Exception) -> int:
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from reaper.db import engine_for
+    from reaper.db import engine_of
     from reaper.overview import format_status, status
 
     try:
-        data = status(engine_for(settings.database_url), settings)
+        data = status(engine_of(settings), settings)
     except SQLAlchemyError as exc:
         return _database_failed(settings, exc)
     print(json.dumps(data, sort_keys=True) if args.json else format_status(data))
@@ -116,12 +116,12 @@ def cmd_plan(settings: Settings, args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from reaper.clock import parse_time
-    from reaper.db import engine_for
+    from reaper.db import engine_of
     from reaper.overview import format_plan, plan
 
     as_of = parse_time(args.as_of) if args.as_of else None
     try:
-        data = plan(engine_for(settings.database_url), settings, as_of, args.limit)
+        data = plan(engine_of(settings), settings, as_of, args.limit)
     except SQLAlchemyError as exc:
         return _database_failed(settings, exc)
     print(json.dumps(data, sort_keys=True) if args.json else format_plan(data))
@@ -135,9 +135,9 @@ def _refuse(message: str) -> int:
 
 def _controls(settings: Settings) -> Any:
     from reaper.control import Controls
-    from reaper.db import engine_for
+    from reaper.db import engine_of
 
-    return Controls(engine_for(settings.database_url), settings)
+    return Controls(engine_of(settings), settings)
 
 
 def cmd_pause(settings: Settings, args: argparse.Namespace) -> int:
@@ -251,11 +251,11 @@ def cmd_policy_list(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_outbox_parked(settings: Settings, args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from reaper.db import engine_for
+    from reaper.db import engine_of
     from reaper.overview import format_parked, parked
 
     try:
-        rows = parked(engine_for(settings.database_url), args.limit)
+        rows = parked(engine_of(settings), settings, args.limit)
     except SQLAlchemyError as exc:
         return _database_failed(settings, exc)
     print(json.dumps(rows, sort_keys=True) if args.json else format_parked(rows))

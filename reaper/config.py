@@ -146,7 +146,22 @@ class Settings(BaseSettings):
     # Batches of one phase run side by side on this many connections (SKIP
     # LOCKED keeps them disjoint); 1 = one after the other. See bench/.
     drain_lanes: int = Field(2, ge=1, le=8)
+    # The longest a phase may hold the run lock: a hung phase (alive, never
+    # ending) stops proving it is alive then, and the server ends its session
+    # one REAPER_RUN_LEASE later (docs/design.md#the-single-runner-lock).
     lock_ttl: Duration = timedelta(seconds=120)
+    # How long a run stays its cycle's without a sign of life: the gap allowed
+    # between two phases, and the silence after which a phase's lock session is
+    # ended by the server. A crashed owner is taken over this long after its
+    # last sign of life.
+    run_lease: Duration = timedelta(seconds=10)
+    # A database server that has not answered a connection attempt within this
+    # is given up (libpq connect_timeout).
+    database_connect_timeout: Duration = timedelta(seconds=5)
+    # A database connection whose peer acknowledges nothing (no data, no
+    # keepalive) for this long is given up, by the worker (libpq) and, inside
+    # each transaction, by the server, which then frees the locks it held.
+    database_tcp_timeout: Duration = timedelta(seconds=15)
     max_run_duration: Duration = timedelta(seconds=30)
     recorder_url: Annotated[str, AfterValidator(_url("http", "https"))] | None = None
     recorder_timeout: Duration = timedelta(seconds=2)
@@ -189,6 +204,21 @@ class Settings(BaseSettings):
                 "REAPER_LOCK_TTL: must be above REAPER_MAX_RUN_DURATION "
                 f"({self.lock_ttl} <= {self.max_run_duration})"
             )
+        if not 2 <= self.run_lease.total_seconds() <= 600:
+            raise ValueError(
+                f"REAPER_RUN_LEASE: must be between 2 s and 10 min (got {self.run_lease})"
+            )
+        if self.run_lease >= self.lock_ttl:
+            raise ValueError(
+                "REAPER_RUN_LEASE: must be below REAPER_LOCK_TTL "
+                f"({self.run_lease} >= {self.lock_ttl})"
+            )
+        for name in ("database_connect_timeout", "database_tcp_timeout"):
+            value: timedelta = getattr(self, name)
+            if not 1 <= value.total_seconds() <= 600:
+                raise ValueError(
+                    f"REAPER_{name.upper()}: must be between 1 s and 10 min (got {value})"
+                )
         return self
 
 

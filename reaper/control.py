@@ -58,7 +58,7 @@ class Controls:
         if not reason.strip():
             raise ValueError("a pause needs a reason (--reason)")
         by = operator(self.settings)
-        with transaction(self.engine, budgets.quick()) as queries:
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
             rows = [
                 queries.pause_phase(
                     phase, reason.strip(), for_.total_seconds() if for_ else None, by
@@ -73,7 +73,7 @@ class Controls:
     def resume(self, phases: list[str] | None) -> list[Resumed]:
         """End the pauses of these phases (all without a list); those in force."""
         by = operator(self.settings)
-        with transaction(self.engine, budgets.quick()) as queries:
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
             rows = queries.resume_phases(_phases(phases))
         facts = [Resumed(r.phase, r.reason, by) for r in rows if r.in_force]
         for fact in facts:
@@ -111,7 +111,7 @@ class Controls:
         by = operator(self.settings)
         seconds = {f"{name}_s": None for name in OPTIONS}
         seconds.update({f"{name}_s": value.total_seconds() for name, value in given.items()})
-        with transaction(self.engine, budgets.quick()) as queries:
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
             row = queries.set_tenant_policy(tenant, **seconds, by=by)
             # Checked on the merged row, locked until the commit: two operators
             # setting the two windows at once cannot make them cross. Raising
@@ -145,7 +145,7 @@ class Controls:
     def unset_policy(self, tenant_id: str) -> PolicyUnset | None:
         """Remove the tenant's policy; None when it had none."""
         tenant = tenant_uuid(tenant_id)
-        with transaction(self.engine, budgets.quick()) as queries:
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
             row = queries.unset_tenant_policy(tenant)
         if row is None:
             return None
@@ -160,12 +160,12 @@ class Controls:
         return fact
 
     def policies(self) -> list[TenantPolicy]:
-        with transaction(self.engine, budgets.read()) as queries:
+        with transaction(self.engine, budgets.read(self.settings)) as queries:
             return [TenantPolicy.from_row(row) for row in queries.tenant_policies()]
 
     def requeue(self, event_id: str | None) -> int:
         """Parked outbox rows back to pending (one, or all with None); how many."""
-        with transaction(self.engine, budgets.quick()) as queries:
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
             count = queries.requeue_outbox(event_id)
         self.bus.emit(OutboxRequeued(count, event_id, operator(self.settings)))
         return count

@@ -28,7 +28,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from reaper import budgets
 from reaper.clock import Monotonic, monotonic, parse_time, rfc3339, utcnow
 from reaper.config import Settings
-from reaper.db import Session, engine_for, session, transaction
+from reaper.db import Session, engine_of, session, transaction
 from reaper.drain import Drained, SkippedLocked, drain
 from reaper.errors import describe
 from reaper.events import (
@@ -84,7 +84,7 @@ class Reaper:
         allow_mass_closure: bool = False,
     ) -> None:
         self.settings = settings
-        self.engine = engine or engine_for(settings.database_url)
+        self.engine = engine or engine_of(settings)
         self.bus = bus or process_bus
         self.runs = Runs(self.engine, settings)
         # Bounds a phase in this process; tests pass a thread-safe fake.

@@ -8,33 +8,64 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, RootTransaction, create_engine, make_url, text
-from sqlalchemy.exc import SQLAlchemyError
 
-from reaper.budgets import Budget
+from reaper import budgets
+from reaper.budgets import Budget, Peer
 from reaper.queries import Queries
 
 if TYPE_CHECKING:
     from alembic.config import Config
 
+    from reaper.config import Settings
+
 MIGRATIONS = Path(__file__).with_name("migrations")
+# Connections opened beyond the pool's size when a burst needs them (a CLI
+# command beside a running phase in one process, a test).
+POOL_OVERFLOW = 2
 
-_engines: dict[str, Engine] = {}
+_engines: dict[tuple[str, Peer | None, int], Engine] = {}
 
 
-def engine_for(url: str) -> Engine:
-    """One pooled engine per URL and process (re-created after a fork, see celery_app)."""
-    engine = _engines.get(url)
+def engine_for(url: str, *, peer: Peer | None = None, pool_size: int = 4) -> Engine:
+    """One pooled engine per URL and process (re-created after a fork, see celery_app).
+
+    ``peer`` bounds every connection on the worker's side (libpq's connect
+    timeout, keepalives and TCP user timeout); the server's side is bounded per
+    transaction by its budget. A pooled connection is pinged before use and
+    replaced when the server or the network dropped it meanwhile.
+    """
+    key = (url, peer, pool_size)
+    engine = _engines.get(key)
     if engine is None:
         engine = create_engine(
             url,
-            pool_size=4,
-            max_overflow=4,
+            pool_size=pool_size,
+            max_overflow=POOL_OVERFLOW,
+            pool_timeout=budgets.POOL_WAIT.total_seconds(),
             pool_pre_ping=True,
             pool_reset_on_return="rollback",
-            connect_args={"application_name": "conference-room-reaper"},
+            connect_args={
+                "application_name": "conference-room-reaper",
+                **(peer.libpq() if peer is not None else {}),
+            },
         )
-        _engines[url] = engine
+        _engines[key] = engine
     return engine
+
+
+def connections_needed(settings: Settings) -> int:
+    """What a process holds at once at the most: a phase's lock session and its
+    lanes, plus one for whatever runs beside them (the stop signals' marks, a
+    gauge refresh, /healthz)."""
+    return 1 + settings.drain_lanes + 1
+
+
+def engine_of(settings: Settings) -> Engine:
+    """The engine every part of the reaper uses: bounded connections, and a pool
+    that holds what a phase needs at once (connections_needed)."""
+    return engine_for(
+        settings.database_url, peer=budgets.peer(settings), pool_size=connections_needed(settings)
+    )
 
 
 @contextmanager
@@ -49,39 +80,31 @@ def transaction(engine: Engine, budget: Budget) -> Iterator[Queries]:
 class Session:
     """A connection held for many transactions, each within the session's budget."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, budget: Budget) -> None:
         self.conn = conn
+        self.budget = budget
 
     @contextmanager
     def transaction(self) -> Iterator[Queries]:
         """One transaction, committed at the end (rolled back on an error)."""
         with self.conn.begin():
-            yield Queries(self.conn)
+            queries = Queries(self.conn)
+            queries.bound_transaction(self.budget)
+            yield queries
 
 
 @contextmanager
 def session(engine: Engine, budget: Budget) -> Iterator[Session]:
     """One connection for many transactions, each within ``budget``: a drain lane's.
 
-    A transaction through :func:`transaction` costs five round trips (the pool's
-    ping, BEGIN, the budget, the statement, COMMIT); a batch in a session costs
-    three, the budget being set once for the session (docs/performance.md). It is
-    reset before the connection goes back to the pool, or the connection is
-    discarded.
+    Holding the connection saves each batch the pool's checkout and ping. The
+    budget is set in every transaction, never for the session: behind a pooler
+    in transaction mode a session setting lands on whichever server connection
+    ran it (docs/design.md#behind-pgbouncer). A connection the server or the
+    network ended is discarded by the pool, never reused.
     """
     with engine.connect() as conn:
-        Queries(conn).bound_session(budget)
-        conn.commit()  # a session setting outlives the transaction that set it
-        try:
-            yield Session(conn)
-        finally:
-            try:
-                if conn.in_transaction():  # an error left it open
-                    conn.rollback()
-                Queries(conn).unbound_session()
-                conn.commit()
-            except SQLAlchemyError:  # the server ended the session: never reuse it
-                conn.invalidate()
+        yield Session(conn, budget)
 
 
 def begin(conn: Connection, budget: Budget) -> tuple[RootTransaction, Queries]:

@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import budgets, metrics
 from reaper.config import Settings
-from reaper.db import engine_for, transaction
+from reaper.db import engine_of, transaction
 
 # How many polling intervals without a cycle a worker is still healthy.
 INTERVALS = 3
@@ -31,7 +31,7 @@ INTERVALS = 3
 class Check:
     def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
         self.settings = settings
-        self.engine = engine or engine_for(settings.database_url)
+        self.engine = engine or engine_of(settings)
         self.started = time.time()
 
     def answer(self) -> tuple[int, bytes]:
@@ -51,7 +51,7 @@ class Check:
 
     def _database_reachable(self) -> bool:
         try:
-            with transaction(self.engine, budgets.quick()) as queries:
+            with transaction(self.engine, budgets.quick(self.settings)) as queries:
                 queries.database_clock()
         except SQLAlchemyError:
             return False

@@ -96,7 +96,7 @@ def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
 def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
     """active_backlog and the outbox gauges, as the database says now; None if it failed."""
     try:
-        with transaction(engine, budgets.read()) as queries:
+        with transaction(engine, budgets.read(settings)) as queries:
             result = census(queries, settings, queries.database_clock())
             pending, oldest, parked = queries.outbox_pending_stats()
             paused = tuple(row.phase for row in queries.active_pauses())
@@ -110,7 +110,7 @@ def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
 
 
 def status(engine: Engine, settings: Settings) -> dict[str, Any]:
-    with transaction(engine, budgets.read()) as queries:
+    with transaction(engine, budgets.read(settings)) as queries:
         now = queries.database_clock()
         result = census(queries, settings, now)
         pending, oldest, parked = queries.outbox_pending_stats()
@@ -264,7 +264,7 @@ def plan(
     engine: Engine, settings: Settings, as_of: datetime | None, per_phase: int
 ) -> dict[str, Any]:
     """What a cycle at ``as_of`` (default: the database's clock now) would close."""
-    with transaction(engine, budgets.read()) as queries:
+    with transaction(engine, budgets.read(settings)) as queries:
         as_of = as_of or queries.database_clock()
         counted = census(queries, settings, as_of)
         rows = queries.plan_candidates(
@@ -400,8 +400,8 @@ def format_policies(policies: list[TenantPolicy], settings: Settings) -> str:
 # -- reaper outbox parked ----------------------------------------------------
 
 
-def parked(engine: Engine, limit: int) -> list[dict[str, Any]]:
-    with transaction(engine, budgets.read()) as queries:
+def parked(engine: Engine, settings: Settings, limit: int) -> list[dict[str, Any]]:
+    with transaction(engine, budgets.read(settings)) as queries:
         rows = queries.parked_outbox(limit)
     return [
         {

@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Row, TextClause, text
 
-from reaper.budgets import Budget
+from reaper.budgets import KEEPALIVE_PROBES, Budget
 
 QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
 _HEADER = re.compile(r"^-- name: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
@@ -49,22 +49,17 @@ class Queries:
         self.conn = conn
 
     def bound_transaction(self, budget: Budget) -> None:
-        self._bound(budget, is_local=True)
-
-    def bound_session(self, budget: Budget) -> None:
-        self._bound(budget, is_local=False)
-
-    def _bound(self, budget: Budget, *, is_local: bool) -> None:
+        peer = budget.peer
         _run(
             self.conn,
             "bound",
             idle_ms=str(budget.idle_ms),
             statement_ms=str(budget.statement_ms),
-            is_local=is_local,
+            silence_ms=str(peer.silence_ms),
+            keepalive_idle_s=str(peer.keepalive_idle_s),
+            keepalive_interval_s=str(peer.keepalive_interval_s),
+            keepalive_count=str(KEEPALIVE_PROBES),
         )
-
-    def unbound_session(self) -> None:
-        _run(self.conn, "unbound_session")
 
     def database_clock(self) -> datetime:
         return _run(self.conn, "database_clock").scalar_one()

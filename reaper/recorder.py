@@ -28,7 +28,7 @@ from urllib.parse import quote
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import budgets
+from reaper.budgets import Budget
 from reaper.db import transaction
 from reaper.errors import describe
 from reaper.events import BatchCommitted, Bus, CycleFinished, StopSignalsSent
@@ -147,11 +147,13 @@ class StopSignal:
         client: RecorderClient,
         engine: Engine,
         bus: Bus,
+        budget: Budget,
         retry_window: timedelta = timedelta(minutes=15),
     ) -> None:
         self.client = client
         self.engine = engine
         self.bus = bus
+        self.budget = budget  # of its own transactions (budgets.quick)
         self.retry_window = retry_window
         self.backoff_initial = max(1.0, self.BACKOFF_TIMEOUTS * client.timeout)
 
@@ -171,7 +173,7 @@ class StopSignal:
     def sweep(self) -> list[StopRequest]:
         """Send again what is due; the signals the recorder took."""
         try:
-            with transaction(self.engine, budgets.quick()) as queries:
+            with transaction(self.engine, self.budget) as queries:
                 due = queries.stops_due(
                     window_s=self.retry_window.total_seconds(),
                     first_after_s=self.backoff_initial,
@@ -192,7 +194,7 @@ class StopSignal:
         self.bus.emit(StopSignalsSent(requested=len(requests), taken=len(taken)))
         refused = [r.recording_id for r in requests if r not in taken]
         try:
-            with transaction(self.engine, budgets.quick()) as queries:
+            with transaction(self.engine, self.budget) as queries:
                 if taken:
                     queries.mark_stop_requested([stop.recording_id for stop in taken])
                 if refused:

@@ -47,7 +47,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import budgets
 from reaper.config import Settings
-from reaper.db import begin, engine_for, transaction
+from reaper.db import begin, engine_of, transaction
 from reaper.errors import describe
 from reaper.events import Bus, RelayBatchCommitted, RelayPassCompleted, process_bus
 from reaper.kafka import ProducerSlot, process_slot
@@ -166,7 +166,7 @@ class Relay:
         exclusive: bool = True,
     ) -> None:
         self.settings = settings
-        self.engine = engine or engine_for(settings.database_url)
+        self.engine = engine or engine_of(settings)
         self.producers = producers or process_slot(settings)
         self.bus = bus or process_bus
         # Asked to stop (a warm shutdown): no new batch after those in flight.
@@ -289,7 +289,7 @@ class Relay:
 
     def _measure(self, result: RelayResult) -> None:
         try:
-            with transaction(self.engine, budgets.quick()) as queries:
+            with transaction(self.engine, budgets.quick(self.settings)) as queries:
                 stats = queries.outbox_pending_stats()
             result.pending, result.oldest_pending_age_seconds, result.outbox_parked = stats
         except SQLAlchemyError as exc:
@@ -517,7 +517,7 @@ class Relay:
         deleted = 0
         try:
             for _ in range(RETENTION_MAX_BATCHES):
-                with transaction(self.engine, budgets.quick()) as queries:
+                with transaction(self.engine, budgets.quick(self.settings)) as queries:
                     count = queries.delete_published_outbox(cutoff, RETENTION_BATCH)
                 deleted += count
                 if count < RETENTION_BATCH or time.monotonic() >= deadline:

@@ -217,7 +217,7 @@ class Runs:
         Raises AsOfRefused before anything else when ``as_of`` is later than the
         database's clock plus AS_OF_TOLERANCE.
         """
-        with transaction(self.engine, budgets.quick()) as queries:
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
             before = utcnow()
             now = queries.database_clock()
             after = utcnow()
@@ -262,7 +262,7 @@ class Runs:
         """A phase of the run failed before it could hold the run (best effort: the
         database may be the failure)."""
         try:
-            with transaction(self.engine, budgets.quick()) as queries:
+            with transaction(self.engine, budgets.quick(self.settings)) as queries:
                 queries.count_run_error(run_id)
         except SQLAlchemyError:
             pass
@@ -293,7 +293,7 @@ class Runs:
     def finish(self, run_id: str) -> Finished:
         """Close the run (its own end) and read its totals; ``lost`` when another
         cycle had taken it over."""
-        with transaction(self.engine, budgets.quick()) as queries:
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
             row = queries.close_run(run_id)
             lost = row is None
             if lost:

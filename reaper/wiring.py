@@ -14,9 +14,9 @@ import weakref
 
 from sqlalchemy import Engine
 
-from reaper import eventlog, metrics, overview, tracing
+from reaper import budgets, eventlog, metrics, overview, tracing
 from reaper.config import Settings
-from reaper.db import engine_for
+from reaper.db import engine_of
 from reaper.events import Bus, CycleFinished, process_bus
 from reaper.recorder import RecorderClient, StopSignal
 
@@ -32,20 +32,22 @@ def install(settings: Settings, bus: Bus = process_bus, *, engine: Engine | None
         if bus in _installed:
             return bus
         _installed.add(bus)
-    engine = engine or engine_for(settings.database_url)
+    engine = engine or engine_of(settings)
     eventlog.subscribe(bus)
     metrics.subscribe(bus)
     tracing.subscribe(bus)
     bus.subscribe(CycleFinished, Gauges(engine, settings, bus))
     if settings.recorder_url:
         client = RecorderClient(settings.recorder_url, settings.recorder_timeout)
-        StopSignal(client, engine, bus, settings.recorder_retry_window).subscribe()
+        StopSignal(
+            client, engine, bus, budgets.quick(settings), settings.recorder_retry_window
+        ).subscribe()
     return bus
 
 
 def gauges(settings: Settings, bus: Bus = process_bus) -> Gauges:
     """The gauges of this process's bus (the worker refreshes them on a scrape too)."""
-    return Gauges(engine_for(settings.database_url), settings, bus)
+    return Gauges(engine_of(settings), settings, bus)
 
 
 class Gauges:

@@ -60,6 +60,9 @@ INVALID: dict[str, list[str]] = {
     "BATCH_SIZE": ["0", "-1", "10001", "ten", "1.5", ""],
     "DRAIN_LANES": ["0", "-1", "9", "two", "1.5", ""],
     "LOCK_TTL": BAD_DURATIONS,
+    "RUN_LEASE": [*BAD_DURATIONS, "1", "601"],
+    "DATABASE_CONNECT_TIMEOUT": [*BAD_DURATIONS, "0.5", "601"],
+    "DATABASE_TCP_TIMEOUT": [*BAD_DURATIONS, "0.5", "PT11M"],
     "MAX_RUN_DURATION": BAD_DURATIONS,
     "RECORDER_URL": ["ftp://recorder", "http://", "recorder:8080", f"http://u:{SECRET}@h:x/"],
     "RECORDER_TIMEOUT": BAD_DURATIONS,
@@ -77,6 +80,8 @@ COMBINATIONS: list[tuple[dict[str, str], str]] = [
     ({"EMPTY_ROOM_GRACE": "600", "STALE_LIVE_TIMEOUT": "300"}, "STALE_LIVE_TIMEOUT"),
     ({"LOCK_TTL": "30"}, "LOCK_TTL"),
     ({"LOCK_TTL": "10", "MAX_RUN_DURATION": "60"}, "MAX_RUN_DURATION"),
+    ({"RUN_LEASE": "120"}, "RUN_LEASE"),
+    ({"RUN_LEASE": "50", "LOCK_TTL": "45"}, "LOCK_TTL"),
     ({"RELAY_BACKOFF_INITIAL": "120"}, "RELAY_BACKOFF_MAX"),
     ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "KAFKA_SASL_MECHANISM"),
     (

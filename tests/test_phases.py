@@ -9,6 +9,7 @@ from datetime import timedelta
 
 from sqlalchemy import Engine, text
 
+from reaper import budgets
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.events import Bus
@@ -219,7 +220,7 @@ def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, 
         done_room = f.conference(conn, idle=timedelta(minutes=5))
         f.recording(conn, done_room["id"], status="Available")
     bus = Bus()
-    StopSignal(recorder, engine, bus).subscribe()  # type: ignore[arg-type]
+    StopSignal(recorder, engine, bus, budgets.quick(settings)).subscribe()  # type: ignore[arg-type]
     reap(settings, engine, bus=bus)
     assert [(s.recording_id, s.conference_id, s.reason) for s in stops] == [
         (live["id"], room["id"], "EmptyTimeout")
@@ -260,7 +261,7 @@ def test_every_running_recording_of_a_room_is_stopped_once(settings, engine):
         )
         bare = f.conference(conn, idle=timedelta(minutes=5))
     bus = Bus()
-    StopSignal(recorder, engine, bus).subscribe()  # type: ignore[arg-type]
+    StopSignal(recorder, engine, bus, budgets.quick(settings)).subscribe()  # type: ignore[arg-type]
     result = reap(settings, engine, bus=bus)
     assert result["empty_timeout_count"] == 2
     assert sorted(s.recording_id for s in stops) == sorted([first["id"], second["id"]])

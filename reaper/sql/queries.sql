@@ -45,18 +45,18 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-rea
 SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0));
 
 -- name: bound
--- A time budget (budgets.py): for the current transaction (:is_local true), or
--- for every transaction of a session a drain lane holds (false; db.session,
--- undone by unbound_session before the pool has the connection back). A stuck
--- holder is ended by the server, which frees its locks.
-SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, :is_local),
-       set_config('statement_timeout', :statement_ms, :is_local),
-       set_config('lock_timeout', :statement_ms, :is_local);
-
--- name: unbound_session
-RESET idle_in_transaction_session_timeout;
-RESET statement_timeout;
-RESET lock_timeout;
+-- A transaction's time budget (budgets.py), for this transaction only: a
+-- session-level setting would outlive it and, behind a pooler in transaction
+-- mode, land on another client. A stuck holder is ended by the server, which
+-- frees its locks; so is one whose client stopped acknowledging (tcp_user_timeout
+-- while data is in flight, keepalives while the backend waits on the client).
+SELECT set_config('idle_in_transaction_session_timeout', :idle_ms, true),
+       set_config('statement_timeout', :statement_ms, true),
+       set_config('lock_timeout', :statement_ms, true),
+       set_config('tcp_user_timeout', :silence_ms, true),
+       set_config('tcp_keepalives_idle', :keepalive_idle_s, true),
+       set_config('tcp_keepalives_interval', :keepalive_interval_s, true),
+       set_config('tcp_keepalives_count', :keepalive_count, true);
 
 -- name: database_clock
 -- The reference clock of every comparison (docs/design.md#time).
