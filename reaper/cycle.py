@@ -56,7 +56,7 @@ from reaper.phases import (
     reap_batch,
     tenant_windows,
 )
-from reaper.runs import COUNT_KEYS, Run, Runs, Start, unowned_result
+from reaper.runs import COUNT_KEYS, Run, RunLost, Runs, Start, unowned_result
 
 
 @dataclass(frozen=True)
@@ -372,10 +372,16 @@ class PhaseBatches:
                 self.settings,
                 as_of=run.as_of,
                 run_id=run.run_id,
+                holder_pid=run.holder_pid,
                 excluded=run.excluded_now(),
                 only=only,
                 shortest=self.shortest,
             )
+            if outcome.fenced:  # changed nothing: no lane of this phase may go on
+                raise RunLost(
+                    f"run {run.run_id} is fenced off: its lock session (backend "
+                    f"{run.holder_pid}) is gone or another cycle took the run over"
+                )
             # Before the commit: a lane whose batch starts after it leaves them out.
             fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
             outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]

@@ -88,6 +88,8 @@ class BatchOutcome:
     # a batch retried in parts (cycle.PhaseBatches._isolate): the rows it was made of;
     # a sibling lane may have claimed some of them meanwhile
     candidates: int = 0
+    # the run was no longer the batch's to change (its fence): nothing changed
+    fenced: bool = False
 
     @property
     def claimed(self) -> int:
@@ -105,6 +107,7 @@ class BatchOutcome:
             self.stops + other.stops,
             self.anomalies + other.anomalies,
             max(self.candidates, other.candidates),
+            self.fenced or other.fenced,
         )
 
 
@@ -137,13 +140,16 @@ def reap_batch(
     *,
     as_of: datetime,
     run_id: str,
+    holder_pid: int,
     excluded: list[str],
     only: list[str] | None = None,
     shortest: Shortest | None = None,
 ) -> BatchOutcome:
-    """One batch of ``phase`` (``only``: of these rows alone). ``shortest``: the
-    shortest tenant windows (tenant_windows), read by the caller once per phase;
-    read here, in the batch's transaction, when not given."""
+    """One batch of ``phase`` (``only``: of these rows alone), fenced by the run:
+    it changes nothing unless ``run_id`` is open and the backend ``holder_pid``
+    holds the run lock (``outcome.fenced`` then). ``shortest``: the shortest
+    tenant windows (tenant_windows), read by the caller once per phase; read
+    here, in the batch's transaction, when not given."""
     shortest = tenant_windows(queries) if shortest is None else shortest
     common = {
         "as_of": as_of,
@@ -152,6 +158,8 @@ def reap_batch(
         "batch_size": settings.batch_size,
         "excluded": excluded,
         "only": only,
+        "run_id": run_id,
+        "holder_pid": holder_pid,
     }
     if phase is PROVISION_TIMEOUT:
         rows = queries.fail_provisioning_batch(**common)
@@ -160,7 +168,6 @@ def reap_batch(
             **common,
             require_empty=phase is EMPTY_ROOM,
             end_reason=phase.end_reason,
-            run_id=run_id,
             topic=settings.conference_ended_topic,
         )
     outcome = BatchOutcome()
@@ -190,6 +197,8 @@ def reap_batch(
             outcome.rejected.append(ConferenceRejected(run_id, phase.name, conference_id, detail))
         elif kind == "locked":
             outcome.locked.append(conference_id)
+        elif kind == "fenced":
+            outcome.fenced = True
         else:
             outcome.stops.append(StopRequest(detail, conference_id, phase.end_reason))
     return outcome

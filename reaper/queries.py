@@ -88,7 +88,7 @@ class Queries:
         as_of: datetime,
         started_at: datetime,
         max_run_s: float,
-        ttl_s: float,
+        lease_s: float,
         owner: str,
     ) -> bool:
         """False when ``run_id`` names an earlier run."""
@@ -99,15 +99,16 @@ class Queries:
             as_of=as_of,
             started_at=started_at,
             max_run_s=max_run_s,
-            ttl_s=ttl_s,
+            lease_s=lease_s,
             owner=owner,
         ).one_or_none()
         return inserted is not None
 
-    def run_for_phase(self, run_id: str, phase: str, ttl_s: float) -> Row | None:
-        return _run(
-            self.conn, "run_for_phase", run_id=run_id, phase=phase, ttl_s=ttl_s
-        ).one_or_none()
+    def run_for_phase(self, run_id: str, phase: str) -> Row | None:
+        return _run(self.conn, "run_for_phase", run_id=run_id, phase=phase).one_or_none()
+
+    def run_heartbeat(self) -> None:
+        _run(self.conn, "run_heartbeat")
 
     def run_state(self, run_id: str) -> Row | None:
         return _run(self.conn, "run_state", run_id=run_id).one_or_none()
@@ -121,7 +122,7 @@ class Queries:
         blocked: list[str],
         paused: list[str],
         errors: int,
-        ttl_s: float,
+        lease_s: float,
     ) -> int:
         return _run(
             self.conn,
@@ -132,7 +133,28 @@ class Queries:
             blocked=blocked,
             paused=paused,
             errors=errors,
-            ttl_s=ttl_s,
+            lease_s=lease_s,
+        ).rowcount
+
+    def save_run_totals(
+        self,
+        run_id: str,
+        *,
+        counts: str,
+        excluded: list[str],
+        blocked: list[str],
+        paused: list[str],
+        errors: int,
+    ) -> int:
+        return _run(
+            self.conn,
+            "save_run_totals",
+            run_id=run_id,
+            counts=counts,
+            excluded=excluded,
+            blocked=blocked,
+            paused=paused,
+            errors=errors,
         ).rowcount
 
     def count_run_error(self, run_id: str) -> int:
@@ -156,6 +178,7 @@ class Queries:
         excluded: list[str],
         only: list[str] | None,
         run_id: str,
+        holder_pid: int,
         topic: str,
     ) -> list[Row]:
         return list(
@@ -171,6 +194,7 @@ class Queries:
                 excluded=excluded,
                 only=only,
                 run_id=run_id,
+                holder_pid=holder_pid,
                 topic=topic,
             )
         )
@@ -184,6 +208,8 @@ class Queries:
         batch_size: int,
         excluded: list[str],
         only: list[str] | None,
+        run_id: str,
+        holder_pid: int,
     ) -> list[Row]:
         return list(
             _run(
@@ -195,6 +221,8 @@ class Queries:
                 batch_size=batch_size,
                 excluded=excluded,
                 only=only,
+                run_id=run_id,
+                holder_pid=holder_pid,
             )
         )
 
@@ -225,9 +253,7 @@ class Queries:
 
     def stale_live_eligible(self, *, as_of: datetime, cutoff: datetime, excluded: list[str]) -> int:
         """The Active rooms stale_live would end now (the mass-closure guard)."""
-        row = _run(
-            self.conn, "stale_live_eligible", as_of=as_of, cutoff=cutoff, excluded=excluded
-        )
+        row = _run(self.conn, "stale_live_eligible", as_of=as_of, cutoff=cutoff, excluded=excluded)
         return int(row.scalar())
 
     def active_count(self) -> int:
@@ -379,9 +405,7 @@ class Queries:
         return _run(self.conn, "phase_pause", phase=phase).scalar()
 
     def pause_phase(self, phase: str, reason: str, for_s: float | None, by: str) -> Row:
-        return _run(
-            self.conn, "pause_phase", phase=phase, reason=reason, for_s=for_s, by=by
-        ).one()
+        return _run(self.conn, "pause_phase", phase=phase, reason=reason, for_s=for_s, by=by).one()
 
     def resume_phases(self, phases: list[str]) -> list[Row]:
         return list(_run(self.conn, "resume_phases", phases=phases))

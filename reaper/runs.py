@@ -6,16 +6,27 @@ Two things keep cycles apart (docs/design.md#one-cycle-at-a-time):
   docs/design.md#the-single-runner-lock) is the mutual exclusion of the work:
   a phase holds it, in a transaction on a connection of its own, while its
   batches run on others. It ends with that transaction, so it never travels
-  back into the pool; a killed runner's connection closes and frees it at
-  once; a hung one is ended by the server after ``REAPER_LOCK_TTL`` idle
-  (``idle_in_transaction_session_timeout``).
+  back into the pool. The phase proves it is alive on that connection several
+  times per ``REAPER_RUN_LEASE`` (:class:`Heartbeat`); the server ends a lock
+  session that stays silent for a whole lease (``idle_in_transaction_session_
+  timeout``) and one whose client stopped acknowledging (``tcp_user_timeout``,
+  keepalives). A killed owner's lock is freed at once, a frozen or partitioned
+  one's within a lease, a hung one's (alive, never ending) one lease after
+  ``REAPER_LOCK_TTL``, when its heartbeat gives up.
 - the run row (``messenger.reaper_runs``) says which cycle owns the run
   between its phases, which are separate Celery tasks, often in other
   processes. A cycle takes the run at its head; each of its phases checks that
-  the run is still its own and extends the lease; the end closes it. A cycle
-  that finds the run owned by a live lease is skipped whole; one that finds
-  the lease expired (the owner died or hung) closes that run as
-  ``taken_over`` and takes it.
+  the run is still its own, and renews the lease when it ends; the end closes
+  it. A cycle that finds the run owned by a live lease is skipped whole; one
+  that finds the lock free and the lease expired (the owner died, froze, or
+  lost its chain with the broker's queues) closes that run as ``taken_over``
+  and takes it.
+
+Every batch statement is fenced by both (the ``fence`` of the phase
+statements): it changes nothing unless its run is still open and its phase's
+lock session still holds the lock, and it holds the run row while it commits,
+so a cycle that takes the run over waits for a batch in flight and no batch of
+the old owner commits after it.
 
 The run row is changed only under the lock, or by its own cycle (its end, or
 an error counted when a phase could not take the lock).
@@ -27,6 +38,7 @@ import json
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -39,11 +51,13 @@ from reaper.clock import rfc3339, utcnow
 from reaper.config import Settings
 from reaper.db import begin, transaction
 from reaper.errors import describe
-from reaper.lock import holder
 from reaper.queries import Queries
 
 # An as_of given by hand may be at most this much later than the database's clock.
 AS_OF_TOLERANCE = timedelta(seconds=5)
+# How often a phase proves it is alive per REAPER_RUN_LEASE: a late beat or two
+# (a busy process, a slow round trip) never costs the lock.
+HEARTBEATS_PER_LEASE = 4
 # Finished runs are kept this long (reaper status), then deleted at a run's end.
 KEEP_FINISHED = timedelta(days=1)
 
@@ -88,6 +102,7 @@ class Run:
     """A cycle's state as one of its phases holds it (under the run lock)."""
 
     run_id: str
+    holder_pid: int  # the backend of the phase's lock session (the batches' fence)
     as_of: datetime
     deadline: datetime
     now: datetime  # the database's clock when the phase took the lock
@@ -102,6 +117,7 @@ class Run:
     def from_row(cls, row: Any) -> Run:
         return cls(
             run_id=row.run_id,
+            holder_pid=row.holder_pid,
             as_of=row.as_of,
             deadline=row.deadline,
             now=row.now,
@@ -167,49 +183,111 @@ def unowned_result(run_id: str, as_of: datetime, *, skipped: bool) -> dict[str, 
     }
 
 
+class RunLost(RuntimeError):
+    """A batch found its run fenced off: the phase's lock session is gone (the server
+    ended it, or the network did), or another cycle took the run over."""
+
+
+class Heartbeat:
+    """The phase's proof of life on its lock session, from a thread of its own.
+
+    Every ``period`` it runs one statement on that session, so the server's idle
+    bound (a whole REAPER_RUN_LEASE of silence) ends only a dead, frozen or
+    partitioned owner's session. After ``give_up`` (REAPER_LOCK_TTL from the
+    claim) it stops: a phase that is alive but never ends then loses the lock one
+    lease later. The phase's own thread leaves the session alone from the claim
+    until :meth:`stop` has returned (its batches run on other connections).
+    """
+
+    def __init__(self, conn: Connection, *, period_s: float, give_up_s: float) -> None:
+        self.conn = conn
+        self._period_s = period_s
+        self._give_up_at = time.monotonic() + give_up_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="reaper-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._period_s):
+            if time.monotonic() >= self._give_up_at:
+                return
+            try:
+                Queries(self.conn).run_heartbeat()
+            except SQLAlchemyError:
+                return  # the session is gone: the release tells it (LockLost)
+
+
 class PhaseClaim:
     """The run lock held for one phase, on its own connection, with the run's state.
 
     :meth:`release` saves what the phase added to the run and commits, which
-    ends the lock; it returns the error when the server had already ended the
-    session (the phase outlived REAPER_LOCK_TTL).
+    ends the lock and renews the run's lease; it returns the error when the
+    session had already ended (the server ended it, or the network did). What
+    the phase committed is then saved apart, so the run's counts still say it.
     """
 
     def __init__(
-        self, conn: Connection, tx: RootTransaction, run: Run, ttl_s: float, paused: str | None
+        self,
+        conn: Connection,
+        tx: RootTransaction,
+        run: Run,
+        settings: Settings,
+        engine: Engine,
+        paused: str | None,
     ) -> None:
         self.conn = conn
         self.transaction = tx
         self.run = run
-        self.ttl_s = ttl_s
+        self.settings = settings
+        self.engine = engine
         # why an operator paused this phase (read under the lock), or None
         self.paused = paused
+        self.heartbeat = Heartbeat(
+            conn,
+            period_s=settings.run_lease.total_seconds() / HEARTBEATS_PER_LEASE,
+            give_up_s=settings.lock_ttl.total_seconds(),
+        )
+        self.heartbeat.start()
 
     def release(self) -> str | None:
+        self.heartbeat.stop()
         run = self.run
+        totals = {
+            "counts": json.dumps(run.counts),
+            "excluded": run.excluded,
+            "blocked": run.blocked,
+            "paused": run.paused,
+            "errors": run.errors,
+        }
         try:
             Queries(self.conn).save_run(
-                run.run_id,
-                counts=json.dumps(run.counts),
-                excluded=run.excluded,
-                blocked=run.blocked,
-                paused=run.paused,
-                errors=run.errors,
-                ttl_s=self.ttl_s,
+                run.run_id, **totals, lease_s=self.settings.run_lease.total_seconds()
             )
             self.transaction.commit()
             return None
         except DBAPIError as exc:
-            return describe(exc)
+            lost = describe(exc)
         finally:
             self.conn.close()
+        try:  # the lock is gone with its session; what the batches committed stays
+            with transaction(self.engine, budgets.quick(self.settings)) as queries:
+                queries.save_run_totals(run.run_id, **totals)
+        except SQLAlchemyError:
+            pass  # the database itself is the failure: the lost lock is told
+        return lost
 
 
 class Runs:
     def __init__(self, engine: Engine, settings: Settings) -> None:
         self.engine = engine
         self.settings = settings
-        self.ttl_s = settings.lock_ttl.total_seconds()
+        self.lease_s = settings.run_lease.total_seconds()
 
     def take(self, run_id: str, as_of: datetime | None) -> Start:
         """The head of a cycle: take the run, or find why another cycle has it.
@@ -252,7 +330,7 @@ class Runs:
                 as_of=start.as_of,
                 started_at=now,
                 max_run_s=self.settings.max_run_duration.total_seconds(),
-                ttl_s=self.ttl_s,
+                lease_s=self.lease_s,
                 owner=owner(),
             ):
                 raise ValueError(f"run_id {run_id} was used by an earlier cycle")
@@ -278,17 +356,26 @@ class Runs:
             except OperationalError as exc:  # lock_timeout or statement_timeout
                 raise RunLockBusy(
                     "the single-runner lock is held by another session "
-                    f"(backend pid {holder(self.engine)}): {describe(exc)}"
+                    f"(backend pid {self._holder()}): {describe(exc)}"
                 ) from exc
-            row = queries.run_for_phase(run_id, phase, self.ttl_s)
+            row = queries.run_for_phase(run_id, phase)
             if row is None:
                 tx.rollback()
                 conn.close()
                 return None
-            return PhaseClaim(conn, tx, Run.from_row(row), self.ttl_s, queries.phase_pause(phase))
+            paused = queries.phase_pause(phase)
+            return PhaseClaim(conn, tx, Run.from_row(row), self.settings, self.engine, paused)
         except BaseException:
             conn.close()
             raise
+
+    def _holder(self) -> int | None:
+        """The backend pid holding the lock, or None (read-only, best effort)."""
+        try:
+            with transaction(self.engine, budgets.quick(self.settings)) as queries:
+                return queries.run_lock_holder()
+        except SQLAlchemyError:
+            return None
 
     def finish(self, run_id: str) -> Finished:
         """Close the run (its own end) and read its totals; ``lost`` when another

@@ -186,6 +186,27 @@ def widest(conn: Connection, phase: str, as_of: datetime) -> datetime:
     return as_of - (window if tenant is None else min(window, tenant))
 
 
+FENCE_RUN = "plan-test-run"
+
+
+def open_fence(conn: Connection) -> None:
+    """What a phase's batch needs to change anything, in the caller's transaction:
+    an open run and the run lock held by this connection."""
+    conn.execute(
+        text(
+            "SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0))"
+        )
+    )
+    conn.execute(
+        text(
+            "INSERT INTO messenger.reaper_runs (run_id, as_of, started_at, deadline,"
+            " lease_expires_at, owner) VALUES (:run, now(), now(), now() + interval '1 min',"
+            " now() + interval '1 min', 'plan test')"
+        ),
+        {"run": FENCE_RUN},
+    )
+
+
 def explain(
     conn: Connection,
     phase: str,
@@ -204,12 +225,14 @@ def explain(
         "batch_size": batch_size,
         "excluded": [],
         "only": only,
+        # the fence: a run that open_fence() opened, the lock held by this connection
+        "run_id": FENCE_RUN,
+        "holder_pid": conn.execute(text("SELECT pg_backend_pid()")).scalar_one(),
     }
     if name == "end_active_batch":
         params |= {
             "require_empty": extra["require_empty"],
             "end_reason": extra["end_reason"],
-            "run_id": "00000000-0000-0000-0000-000000000000",
             "topic": "pin.messenger.conference-ended.v1",
         }
     options = "ANALYZE, FORMAT JSON" if analyze else "FORMAT JSON"
@@ -269,23 +292,39 @@ def locked_scan_loops(plan: dict[str, Any]) -> int:
     return scan["Actual Loops"]
 
 
+def fence_probes(plan: dict[str, Any]) -> list[str]:
+    """How the batch reads its run (the fence): the index of each read of reaper_runs."""
+    return [
+        node.get("Index Name", node["Node Type"])
+        for node, _ in nodes(plan)
+        if node.get("Relation Name") == "reaper_runs"
+    ]
+
+
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_only_a_short_batch_looks_for_rows_a_command_holds(seeded: Engine, phase: str) -> None:
     """A full batch leaves the search for locked rows to the batch that comes back
     short (a second walk of the index range, a policy probe per row, per batch)."""
     status = "Provisioning" if phase == "provision_timeout" else "Active"
     with seeded.connect() as conn, conn.begin() as tx:
+        open_fence(conn)
         full = explain(conn, phase, T0, 100, analyze=True)
-        few = conn.execute(
-            text(
-                "SELECT id::text FROM messenger.conference_sessions"
-                " WHERE status = :status AND created_at < :t0 - interval '6 hours' LIMIT 3"
-            ),
-            {"status": status, "t0": T0},
-        ).scalars().all()
+        few = (
+            conn.execute(
+                text(
+                    "SELECT id::text FROM messenger.conference_sessions"
+                    " WHERE status = :status AND created_at < :t0 - interval '6 hours' LIMIT 3"
+                ),
+                {"status": status, "t0": T0},
+            )
+            .scalars()
+            .all()
+        )
         short = explain(conn, phase, T0, 100, analyze=True, only=few)
         tx.rollback()
     assert len(few) == 3
+    # one index probe for the run: the open run is one row, by key or by the open index
+    assert fence_probes(full) in (["reaper_runs_pkey"], ["ux_reaper_runs_one_open"]), outline(full)
     assert locked_scan_loops(full) == 0, outline(full)
     assert locked_scan_loops(short) == 1, outline(short)
 

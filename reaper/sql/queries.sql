@@ -8,7 +8,8 @@
 -- before the roster update (an open roster row is reported with leftAt = as_of).
 --
 -- Result rows of a phase statement, in one shape:
---   kind            'reaped' | 'poison' | 'locked' | 'stop'
+--   kind            'reaped' | 'poison' | 'locked' | 'stop' | 'fenced' (the run
+--                   is no longer the batch's to change: nothing changed)
 --   conference_id, chat_id, deal_id, duration_seconds
 --   detail          poison: why; stop: the recording id; otherwise null
 --   tenant_id, lateness_seconds   reaped (tenant also poison); otherwise null
@@ -86,18 +87,25 @@ INSERT INTO messenger.reaper_runs
     (run_id, as_of, started_at, deadline, lease_expires_at, owner)
 VALUES (:run_id, :as_of, :started_at,
         CAST(:started_at AS timestamptz) + make_interval(secs => :max_run_s),
-        clock_timestamp() + make_interval(secs => :ttl_s), :owner)
+        clock_timestamp() + make_interval(secs => :lease_s), :owner)
 ON CONFLICT (run_id) DO NOTHING
 RETURNING run_id;
 
 -- name: run_for_phase
--- A phase of the cycle that owns the run: its state, locked, and the lease
--- extended (only under the run lock, so no tick can take the run meanwhile).
+-- A phase of the cycle that owns the run, under the run lock: its state, and
+-- the backend that holds the lock for it (the fence of its batches). The lease
+-- needs no renewal here: while the phase holds the lock no cycle can take the
+-- run; its release renews it.
 UPDATE messenger.reaper_runs
-SET phase = :phase, lease_expires_at = clock_timestamp() + make_interval(secs => :ttl_s)
+SET phase = :phase
 WHERE run_id = :run_id AND finished_at IS NULL
 RETURNING run_id, as_of, deadline, counts, excluded, blocked, paused, errors,
-          clock_timestamp() AS now;
+          clock_timestamp() AS now, pg_backend_pid() AS holder_pid;
+
+-- name: run_heartbeat
+-- The phase's lock session speaks (runs.Heartbeat), so the server's idle bound
+-- of REAPER_RUN_LEASE ends only a silent owner's session.
+SELECT 1;
 
 -- name: run_state
 SELECT run_id, as_of, started_at, counts, blocked, paused, errors, outcome, finished_at,
@@ -106,15 +114,28 @@ FROM messenger.reaper_runs
 WHERE run_id = :run_id;
 
 -- name: save_run
--- What a phase adds to the cycle's totals; the lease runs from now again.
+-- What a phase adds to the cycle's totals, as it releases the lock: the lease
+-- runs from now again, so the cycle's next phase has a lease to reach it.
 UPDATE messenger.reaper_runs
 SET counts = CAST(:counts AS jsonb),
     excluded = CAST(:excluded AS uuid[]),
     blocked = CAST(:blocked AS text[]),
     paused = CAST(:paused AS text[]),
     errors = :errors,
-    lease_expires_at = clock_timestamp() + make_interval(secs => :ttl_s)
+    lease_expires_at = clock_timestamp() + make_interval(secs => :lease_s)
 WHERE run_id = :run_id AND finished_at IS NULL;
+
+-- name: save_run_totals
+-- The same totals when the phase's lock session was gone before its release:
+-- what its batches committed is counted even when the run was taken over
+-- meanwhile; the lease is not renewed (nothing proves the owner alive).
+UPDATE messenger.reaper_runs
+SET counts = CAST(:counts AS jsonb),
+    excluded = CAST(:excluded AS uuid[]),
+    blocked = CAST(:blocked AS text[]),
+    paused = CAST(:paused AS text[]),
+    errors = :errors
+WHERE run_id = :run_id;
 
 -- name: count_run_error
 UPDATE messenger.reaper_runs SET errors = errors + 1
@@ -157,7 +178,29 @@ WHERE s.status = 'Active'
 SELECT count(*) FROM messenger.conference_sessions WHERE status = 'Active';
 
 -- name: end_active_batch
-WITH visible AS (
+WITH -- The fence (docs/design.md#the-single-runner-lock): a batch claims rows only
+-- while its cycle owns the run and its phase's lock session still holds the
+-- single-runner lock (else the server or the network ended that session, and no
+-- batch of the phase may commit without it). The run row is held FOR KEY SHARE
+-- until the commit: open_run's FOR UPDATE (a cycle taking the run over) waits
+-- for this batch, and every later batch of the old owner finds the run closed;
+-- the phase's own updates of its run row (no key changes) do not wait for it.
+fence AS (
+    SELECT r.run_id
+    FROM messenger.reaper_runs r
+    WHERE r.run_id = :run_id AND r.finished_at IS NULL
+      AND EXISTS (
+          SELECT FROM pg_locks l
+          WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+            AND l.pid = :holder_pid
+            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND l.classid::bigint
+                = ((hashtextextended('messenger.conference-room-reaper', 0) >> 32) & 4294967295)
+            AND l.objid::bigint
+                = (hashtextextended('messenger.conference-room-reaper', 0) & 4294967295))
+    FOR KEY SHARE OF r
+),
+visible AS (
     SELECT s.id
     FROM messenger.conference_sessions s
     WHERE s.status = 'Active'
@@ -194,6 +237,7 @@ claimed AS (
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
       -- isolating a row the database refuses: these ids only (NULL: any)
       AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
+      AND EXISTS (SELECT FROM fence)
     ORDER BY s.status, s.last_activity_at
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
@@ -333,14 +377,41 @@ FROM visible v
 -- phase leaves for the next cycle): while there is more to claim, the next batch
 -- meets them again. A one-time filter: a full batch never scans visible.
 WHERE (SELECT count(*) FROM claimed) < :batch_size
+  AND EXISTS (SELECT FROM fence)
   AND v.id NOT IN (SELECT c.id FROM claimed c)
+UNION ALL
+-- fenced off: the batch changed nothing (runs.RunLost)
+SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT FROM fence)
 UNION ALL
 SELECT 'stop', e.id::text, NULL, NULL, NULL, running.id::text, NULL, NULL
 FROM ended_recordings e
 CROSS JOIN LATERAL unnest(e.running_ids) AS running(id);
 
 -- name: fail_provisioning_batch
-WITH visible AS (
+WITH -- The fence (docs/design.md#the-single-runner-lock): a batch claims rows only
+-- while its cycle owns the run and its phase's lock session still holds the
+-- single-runner lock (else the server or the network ended that session, and no
+-- batch of the phase may commit without it). The run row is held FOR KEY SHARE
+-- until the commit: open_run's FOR UPDATE (a cycle taking the run over) waits
+-- for this batch, and every later batch of the old owner finds the run closed;
+-- the phase's own updates of its run row (no key changes) do not wait for it.
+fence AS (
+    SELECT r.run_id
+    FROM messenger.reaper_runs r
+    WHERE r.run_id = :run_id AND r.finished_at IS NULL
+      AND EXISTS (
+          SELECT FROM pg_locks l
+          WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+            AND l.pid = :holder_pid
+            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+            AND l.classid::bigint
+                = ((hashtextextended('messenger.conference-room-reaper', 0) >> 32) & 4294967295)
+            AND l.objid::bigint
+                = (hashtextextended('messenger.conference-room-reaper', 0) & 4294967295))
+    FOR KEY SHARE OF r
+),
+visible AS (
     SELECT s.id
     FROM messenger.conference_sessions s
     WHERE s.status = 'Provisioning'
@@ -373,6 +444,7 @@ claimed AS (
       AND s.id <> ALL (CAST(:excluded AS uuid[]))
       -- isolating a row the database refuses: these ids only (NULL: any)
       AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
+      AND EXISTS (SELECT FROM fence)
     ORDER BY s.created_at
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
@@ -431,7 +503,12 @@ FROM visible v
 -- phase leaves for the next cycle): while there is more to claim, the next batch
 -- meets them again. A one-time filter: a full batch never scans visible.
 WHERE (SELECT count(*) FROM claimed) < :batch_size
+  AND EXISTS (SELECT FROM fence)
   AND v.id NOT IN (SELECT c.id FROM claimed c)
+UNION ALL
+-- fenced off: the batch changed nothing (runs.RunLost)
+SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT FROM fence)
 UNION ALL
 SELECT 'stop', f.id::text, NULL, NULL, NULL, r.id::text, NULL, NULL
 FROM failed f
