@@ -1,4 +1,6 @@
-"""The single-runner lock: exclusive, bounded by LOCK_TTL, never pooled."""
+"""The single-runner lock: exclusive, never pooled; a dead or frozen holder loses
+it within REAPER_RUN_LEASE, a hung one (alive, never ending) one lease after
+REAPER_LOCK_TTL, a live one keeps it as long as its phase runs."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from reaper.runs import Runs
 KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
 
 
-def _holder_script(database_url: str, ttl_s: float, then: str) -> str:
+def _holder_script(database_url: str, ttl_s: float, lease_s: float, then: str) -> str:
     """A runner that takes the run and holds the lock in its first phase, then ``then``."""
     return textwrap.dedent(
         f"""
@@ -30,6 +32,7 @@ def _holder_script(database_url: str, ttl_s: float, then: str) -> str:
         from reaper.runs import Runs
         settings = Settings(database_url={database_url!r},
                             lock_ttl=timedelta(seconds={ttl_s}),
+                            run_lease=timedelta(seconds={lease_s}),
                             max_run_duration=timedelta(seconds={ttl_s} / 2))
         runs = Runs(engine_for(settings.database_url), settings)
         run_id = str(uuid.uuid4())
@@ -42,9 +45,11 @@ def _holder_script(database_url: str, ttl_s: float, then: str) -> str:
     )
 
 
-def _start_holder(database_url: str, ttl_s: float, then: str) -> subprocess.Popen[str]:
+def _start_holder(
+    database_url: str, then: str, *, ttl_s: float = 60, lease_s: float = 10
+) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _holder_script(database_url, ttl_s, then)],
+        [sys.executable, "-c", _holder_script(database_url, ttl_s, lease_s, then)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -119,31 +124,69 @@ def test_lock_never_returns_to_the_pool(settings, engine):
 
 @pytest.mark.process
 def test_killed_runner_loses_the_lock_at_once(database_url, engine):
-    proc = _start_holder(database_url, 60, "time.sleep(60)")
+    proc = _start_holder(database_url, "time.sleep(60)")
     assert holder(engine) is not None
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     waited = _wait_free(engine, timeout=10)
-    print(f"\n[figures] lock free {waited:.2f}s after kill -9 (TTL 60s)")
-    # "at once": the server sees the connection close; nothing waits for the TTL
+    print(f"\n[figures] lock free {waited:.2f}s after kill -9 (lease 10s)")
+    # "at once": the server sees the connection close; nothing waits for a lease
     assert waited <= 1.0, waited
 
 
 @pytest.mark.process
-def test_hung_runner_loses_the_lock_within_ttl(database_url, engine):
-    ttl = 2.0
-    proc = _start_holder(database_url, ttl, "os.kill(os.getpid(), signal.SIGSTOP)")
+def test_frozen_runner_loses_the_lock_within_its_lease(database_url, engine):
+    """SIGSTOP: the heartbeat stops with the process, the server ends the silent
+    lock session after one lease."""
+    lease = 2.0
+    proc = _start_holder(database_url, "os.kill(os.getpid(), signal.SIGSTOP)", lease_s=lease)
     try:
         time.sleep(0.5)
-        assert holder(engine) is not None, "released before the TTL"
-        waited = _wait_free(engine, timeout=ttl + 5)
-        assert waited <= ttl + 1.5
+        assert holder(engine) is not None, "released before the lease"
+        waited = _wait_free(engine, timeout=lease + 5)
+        assert waited <= lease + 1.5
         print(
-            f"\n[figures] hung runner's lock freed by PostgreSQL after {waited + 0.5:.2f}s "
-            f"(TTL {ttl}s)"
+            f"\n[figures] frozen runner's lock freed by PostgreSQL after {waited + 0.5:.2f}s "
+            f"(lease {lease}s)"
         )
         with engine.connect() as conn:
             assert conn.execute(text(f"SELECT pg_try_advisory_xact_lock({KEY})")).scalar()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.process
+def test_a_live_phase_keeps_the_lock_past_its_lease(database_url, engine):
+    """The heartbeat proves the phase alive: three leases later it still holds the lock."""
+    lease = 2.0
+    proc = _start_holder(database_url, "time.sleep(60)", lease_s=lease)
+    try:
+        pid = holder(engine)
+        assert pid is not None
+        time.sleep(3 * lease)
+        assert holder(engine) == pid
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.process
+def test_hung_runner_loses_the_lock_one_lease_after_the_lock_ttl(database_url, engine):
+    """Alive but never ending: the heartbeat gives up at REAPER_LOCK_TTL, the
+    server ends the session one lease later."""
+    ttl, lease = 4.0, 2.0
+    started = time.monotonic()
+    proc = _start_holder(database_url, "time.sleep(60)", ttl_s=ttl, lease_s=lease)
+    try:
+        time.sleep(ttl - 1)
+        assert holder(engine) is not None, "released before the lock TTL"
+        _wait_free(engine, timeout=lease + 5)
+        freed = time.monotonic() - started
+        assert ttl <= freed <= ttl + lease + 2, freed
+        print(
+            f"\n[figures] hung runner's lock freed after {freed:.2f}s (TTL {ttl}s, lease {lease}s)"
+        )
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

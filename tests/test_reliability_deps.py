@@ -91,8 +91,8 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
             "REAPER_BATCH_SIZE": "50",
             "REAPER_METRICS_PORT": str(metrics_port),
             "REAPER_METRICS_ADDRESS": "127.0.0.1",
-            # the cycle the crash hit cannot end: its run is taken over after this
-            "REAPER_LOCK_TTL": "15",
+            # the cycle the crash hit cannot end: its run is taken over one
+            # REAPER_RUN_LEASE (10 s, the default) after its last phase
             "REAPER_MAX_RUN_DURATION": "10",
         },
         name="pg-fault",
@@ -146,8 +146,8 @@ def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
             "REAPER_POLLING_INTERVAL": "1",
             # Redis keeps nothing on disk: a cycle whose next phase was queued
             # when it stopped has lost its chain, and owns the run until its
-            # lease (REAPER_LOCK_TTL) runs out; then the next tick takes it over.
-            "REAPER_LOCK_TTL": "10",
+            # lease (REAPER_RUN_LEASE, 10 s by default) runs out; then the next
+            # tick takes it over.
             "REAPER_MAX_RUN_DURATION": "5",
             "REAPER_METRICS_PORT": str(metrics_port),
             "REAPER_METRICS_ADDRESS": "127.0.0.1",

@@ -41,6 +41,7 @@ LOCK_TTL = 5.0
 ENV = {
     "REAPER_BATCH_SIZE": "25",
     "REAPER_LOCK_TTL": str(LOCK_TTL),
+    "REAPER_RUN_LEASE": "3",
     "REAPER_MAX_RUN_DURATION": "4",
     "REAPER_MASS_CLOSURE_SHARE": "1",  # the backlog is all stale: not what this tests
 }

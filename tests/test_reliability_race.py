@@ -258,6 +258,7 @@ def test_race_with_users(db, database_url, capsys):
         provision_timeout=timedelta(hours=1),
         batch_size=3,
         lock_ttl=timedelta(seconds=10),
+        run_lease=timedelta(seconds=3),
         max_run_duration=timedelta(seconds=5),
     )
     reaper = Reaper(settings, engine=db)

@@ -152,11 +152,11 @@ def test_a_phase_that_cannot_take_the_lock_fails_and_never_reports_skipped(
 
 
 @pytest.mark.process
-def test_a_dead_owner_is_taken_over_within_the_lock_ttl(settings, engine):
+def test_a_dead_owner_is_taken_over_within_its_lease(settings, engine):
     """The owner took the run, ran a phase, and was killed between phases."""
     rooms = seed(engine)
-    ttl = 3.0
-    env = {"REAPER_LOCK_TTL": str(ttl), "REAPER_MAX_RUN_DURATION": "2"}
+    lease = 3.0
+    env = {"REAPER_RUN_LEASE": str(lease), "REAPER_MAX_RUN_DURATION": "2"}
     script = textwrap.dedent(
         f"""
         import os, signal
@@ -164,7 +164,7 @@ def test_a_dead_owner_is_taken_over_within_the_lock_ttl(settings, engine):
         from reaper.config import Settings
         from reaper.cycle import Reaper
         settings = Settings(database_url={settings.database_url!r},
-                            lock_ttl=timedelta(seconds={ttl}),
+                            run_lease=timedelta(seconds={lease}),
                             max_run_duration=timedelta(seconds=2))
         reaper = Reaper(settings)
         cycle = reaper.start()
@@ -186,7 +186,7 @@ def test_a_dead_owner_is_taken_over_within_the_lock_ttl(settings, engine):
             result = reap_once(**env)
             if not result["skipped"]:
                 break
-            assert time.monotonic() - died < ttl + 2, "not taken over within the lock TTL"
+            assert time.monotonic() - died < lease + 2, "not taken over within the run lease"
             time.sleep(0.2)
         took = time.monotonic() - died
     finally:
@@ -199,5 +199,7 @@ def test_a_dead_owner_is_taken_over_within_the_lock_ttl(settings, engine):
         ).scalar_one()
         assert f.session_row(conn, rooms["empty"]["id"])["status"] == "Ended"
     assert run == "taken_over"
-    print(f"\n[figures] a killed owner's run taken over {took:.2f}s after its death (TTL {ttl}s)")
+    print(
+        f"\n[figures] a killed owner's run taken over {took:.2f}s after its death (lease {lease}s)"
+    )
 

@@ -178,7 +178,27 @@ WHERE s.status = 'Active'
 SELECT count(*) FROM messenger.conference_sessions WHERE status = 'Active';
 
 -- name: end_active_batch
-WITH -- The fence (docs/design.md#the-single-runner-lock): a batch claims rows only
+WITH visible AS (
+    SELECT s.id
+    FROM messenger.conference_sessions s
+    WHERE s.status = 'Active'
+      -- the index range, to the widest cutoff (the header)
+      AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
+      -- the room's own cutoff: its tenant's window, else the default
+      AND s.last_activity_at <= coalesce(
+              CAST(:as_of AS timestamptz)
+              - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
+                             ELSE p.stale_live_timeout END
+                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+              CAST(:cutoff AS timestamptz))
+      AND (s.active_participant_count = 0 OR NOT :require_empty)
+      AND s.id <> ALL (CAST(:excluded AS uuid[]))
+      -- isolating a row the database refuses: these ids only (NULL: any)
+      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
+    ORDER BY s.status, s.last_activity_at
+    LIMIT :batch_size
+),
+-- The fence (docs/design.md#the-single-runner-lock): a batch claims rows only
 -- while its cycle owns the run and its phase's lock session still holds the
 -- single-runner lock (else the server or the network ended that session, and no
 -- batch of the phase may commit without it). The run row is held FOR KEY SHARE
@@ -199,26 +219,6 @@ fence AS (
             AND l.objid::bigint
                 = (hashtextextended('messenger.conference-room-reaper', 0) & 4294967295))
     FOR KEY SHARE OF r
-),
-visible AS (
-    SELECT s.id
-    FROM messenger.conference_sessions s
-    WHERE s.status = 'Active'
-      -- the index range, to the widest cutoff (the header)
-      AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
-      -- the room's own cutoff: its tenant's window, else the default
-      AND s.last_activity_at <= coalesce(
-              CAST(:as_of AS timestamptz)
-              - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
-                             ELSE p.stale_live_timeout END
-                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-              CAST(:cutoff AS timestamptz))
-      AND (s.active_participant_count = 0 OR NOT :require_empty)
-      AND s.id <> ALL (CAST(:excluded AS uuid[]))
-      -- isolating a row the database refuses: these ids only (NULL: any)
-      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
-    ORDER BY s.status, s.last_activity_at
-    LIMIT :batch_size
 ),
 claimed AS (
     SELECT s.id, s.status, s.started_at, s.chat_id, s.deal_id, s.tenant_id
@@ -389,7 +389,25 @@ FROM ended_recordings e
 CROSS JOIN LATERAL unnest(e.running_ids) AS running(id);
 
 -- name: fail_provisioning_batch
-WITH -- The fence (docs/design.md#the-single-runner-lock): a batch claims rows only
+WITH visible AS (
+    SELECT s.id
+    FROM messenger.conference_sessions s
+    WHERE s.status = 'Provisioning'
+      -- the index range, to the widest cutoff (the header)
+      AND s.created_at <= CAST(:range_cutoff AS timestamptz)
+      -- the room's own cutoff: its tenant's window, else the default
+      AND s.created_at <= coalesce(
+              CAST(:as_of AS timestamptz)
+              - (SELECT p.provision_timeout
+                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+              CAST(:cutoff AS timestamptz))
+      AND s.id <> ALL (CAST(:excluded AS uuid[]))
+      -- isolating a row the database refuses: these ids only (NULL: any)
+      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
+    ORDER BY s.created_at
+    LIMIT :batch_size
+),
+-- The fence (docs/design.md#the-single-runner-lock): a batch claims rows only
 -- while its cycle owns the run and its phase's lock session still holds the
 -- single-runner lock (else the server or the network ended that session, and no
 -- batch of the phase may commit without it). The run row is held FOR KEY SHARE
@@ -410,24 +428,6 @@ fence AS (
             AND l.objid::bigint
                 = (hashtextextended('messenger.conference-room-reaper', 0) & 4294967295))
     FOR KEY SHARE OF r
-),
-visible AS (
-    SELECT s.id
-    FROM messenger.conference_sessions s
-    WHERE s.status = 'Provisioning'
-      -- the index range, to the widest cutoff (the header)
-      AND s.created_at <= CAST(:range_cutoff AS timestamptz)
-      -- the room's own cutoff: its tenant's window, else the default
-      AND s.created_at <= coalesce(
-              CAST(:as_of AS timestamptz)
-              - (SELECT p.provision_timeout
-                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-              CAST(:cutoff AS timestamptz))
-      AND s.id <> ALL (CAST(:excluded AS uuid[]))
-      -- isolating a row the database refuses: these ids only (NULL: any)
-      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
-    ORDER BY s.created_at
-    LIMIT :batch_size
 ),
 claimed AS (
     SELECT s.id, s.status
