@@ -35,6 +35,10 @@ RELAY_STATEMENT = timedelta(seconds=15)
 # wait this long means connections leak or the configuration is off: fail
 # with one line instead of stalling the phase.
 POOL_WAIT = timedelta(seconds=10)
+# The first statement of a transaction (its budget) is trivial on a server that
+# has a connection for us: past this, nobody does (a pooler with no server
+# connection free, a silent server), and the watchdog ends the wait.
+FIRST_ANSWER = timedelta(seconds=5)
 # Keepalive probes sent before a silent peer is given up; the first probe
 # leaves after a third of the TCP timeout, the rest are spread over the
 # remaining two thirds, so a silent peer is noticed within about that timeout

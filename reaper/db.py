@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, RootTransaction, create_engine, make_url, text
+from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import budgets
 from reaper.budgets import Budget, Peer
 from reaper.queries import Queries
+from reaper.watchdog import WaitExceeded, watchdog
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -68,13 +70,38 @@ def engine_of(settings: Settings) -> Engine:
     )
 
 
+class NoAnswer(SQLAlchemyError):
+    """A transaction could not start within budgets.FIRST_ANSWER."""
+
+
+def bounded(conn: Connection, budget: Budget) -> Queries:
+    """The first statement of a transaction: its budget, within budgets.FIRST_ANSWER.
+
+    A server that has a connection for us answers it at once. When none does
+    (a pooler's pool taken, a server or network that went silent without a
+    reset), the watchdog ends the wait: one clear error instead of minutes.
+    """
+    queries = Queries(conn)
+    fd = conn.connection.dbapi_connection.fileno()  # type: ignore[union-attr]
+    limit = budgets.FIRST_ANSWER.total_seconds()
+    try:
+        with watchdog.bound(fd, limit):
+            queries.bound_transaction(budget)
+    except WaitExceeded as exc:
+        raise NoAnswer(
+            f"the database gave no answer within {limit:g} s at the start of a transaction: "
+            "behind a pooler, no server connection was free (a phase holds 1 + "
+            "REAPER_DRAIN_LANES at once, docs/design.md#behind-pgbouncer), or the server "
+            "or the network is gone"
+        ) from exc
+    return queries
+
+
 @contextmanager
 def transaction(engine: Engine, budget: Budget) -> Iterator[Queries]:
     """One transaction within ``budget`` (reaper/budgets.py), committed at the end."""
     with engine.begin() as conn:
-        queries = Queries(conn)
-        queries.bound_transaction(budget)
-        yield queries
+        yield bounded(conn, budget)
 
 
 class Session:
@@ -88,9 +115,7 @@ class Session:
     def transaction(self) -> Iterator[Queries]:
         """One transaction, committed at the end (rolled back on an error)."""
         with self.conn.begin():
-            queries = Queries(self.conn)
-            queries.bound_transaction(self.budget)
-            yield queries
+            yield bounded(self.conn, self.budget)
 
 
 @contextmanager
@@ -110,9 +135,7 @@ def session(engine: Engine, budget: Budget) -> Iterator[Session]:
 def begin(conn: Connection, budget: Budget) -> tuple[RootTransaction, Queries]:
     """A transaction within ``budget`` on a connection the caller holds (and ends)."""
     transaction = conn.begin()
-    queries = Queries(conn)
-    queries.bound_transaction(budget)
-    return transaction, queries
+    return transaction, bounded(conn, budget)
 
 
 def dispose_engines(close: bool = True) -> None:
