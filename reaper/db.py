@@ -7,7 +7,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, Engine, RootTransaction, create_engine, make_url, text
+from sqlalchemy import (
+    Connection,
+    Engine,
+    RootTransaction,
+    create_engine,
+    event,
+    make_url,
+    text,
+)
 from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import budgets
@@ -44,15 +52,33 @@ def engine_for(url: str, *, peer: Peer | None = None, pool_size: int = 4) -> Eng
             pool_size=pool_size,
             max_overflow=POOL_OVERFLOW,
             pool_timeout=budgets.POOL_WAIT.total_seconds(),
-            pool_pre_ping=True,
             pool_reset_on_return="rollback",
             connect_args={
                 "application_name": "conference-room-reaper",
                 **(peer.libpq() if peer is not None else {}),
             },
         )
+        event.listen(engine, "engine_connect", _bounded_ping)
         _engines[key] = engine
     return engine
+
+
+def _bounded_ping(conn: Connection) -> None:
+    """SQLAlchemy's pre-ping, within budgets.FIRST_ANSWER: a pooled connection the
+    server or the network dropped is replaced (the pool connects anew); one that
+    gets no answer (a pooler with no server connection free) is NoAnswer."""
+    if conn.closed or conn.invalidated:
+        return
+    dbapi = conn.connection.dbapi_connection
+    limit = budgets.FIRST_ANSWER.total_seconds()
+    try:
+        with watchdog.bound(dbapi.fileno(), limit):  # type: ignore[union-attr]
+            conn.dialect.do_ping(dbapi)
+    except WaitExceeded as exc:
+        conn.invalidate()
+        raise NoAnswer(_no_answer(limit)) from exc
+    except conn.dialect.loaded_dbapi.Error:
+        conn.invalidate()  # stale: the next statement reconnects
 
 
 def connections_needed(settings: Settings) -> int:
@@ -88,13 +114,17 @@ def bounded(conn: Connection, budget: Budget) -> Queries:
         with watchdog.bound(fd, limit):
             queries.bound_transaction(budget)
     except WaitExceeded as exc:
-        raise NoAnswer(
-            f"the database gave no answer within {limit:g} s at the start of a transaction: "
-            "behind a pooler, no server connection was free (a phase holds 1 + "
-            "REAPER_DRAIN_LANES at once, docs/design.md#behind-pgbouncer), or the server "
-            "or the network is gone"
-        ) from exc
+        raise NoAnswer(_no_answer(limit)) from exc
     return queries
+
+
+def _no_answer(limit: float) -> str:
+    return (
+        f"the database gave no answer within {limit:g} s at the start of a transaction: "
+        "behind a pooler, no server connection was free (a phase holds 1 + "
+        "REAPER_DRAIN_LANES at once, docs/design.md#behind-pgbouncer), or the server "
+        "or the network is gone"
+    )
 
 
 @contextmanager

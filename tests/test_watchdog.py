@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import Engine, create_engine, make_url
+from sqlalchemy import Engine, create_engine, make_url, text
 
 from reaper import budgets
-from reaper.db import NoAnswer, transaction
+from reaper.db import NoAnswer, engine_for, transaction
 from reaper.watchdog import TICK_S, WaitExceeded, Watchdog
 from tests.support.ports import free_port
 
@@ -116,3 +116,31 @@ def test_a_transaction_nobody_answers_fails_within_the_first_answer_bound(
     relay_.passing.set()
     with transaction(engine, budgets.quick(settings)) as queries:  # a new connection
         queries.database_clock()
+
+
+def test_a_pooled_connection_nobody_answers_fails_its_checkout_within_the_bound(
+    relay: tuple[Relay, Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool's ping before a pooled connection is used is bounded as well."""
+    relay_, plain = relay
+    engine = engine_for(plain.url.render_as_string(hide_password=False), pool_size=1)
+    monkeypatch.setattr(budgets, "FIRST_ANSWER", timedelta(seconds=0.5))
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+    relay_.passing.clear()
+    started = time.monotonic()
+    with pytest.raises(NoAnswer), engine.connect():
+        pass
+    assert time.monotonic() - started <= 0.5 + 2 * TICK_S + 0.5
+    relay_.passing.set()
+    engine.dispose()
+
+
+def test_a_pooled_connection_the_server_ended_is_replaced_unseen(database_url, settings) -> None:
+    engine = engine_for(database_url, pool_size=1)
+    with engine.connect() as conn:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with engine_for(database_url).begin() as admin:
+        admin.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    with transaction(engine, budgets.quick(settings)) as queries:
+        assert queries.conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
