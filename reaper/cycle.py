@@ -312,6 +312,9 @@ class PhaseBatches:
         self.run = run
         self.shortest = shortest
         self.locked = SkippedLocked(settings.drain_lanes)
+        # rooms a command holds a roster row of: left out for the rest of the phase
+        self._held: set[str] = set()
+        self._held_lock = threading.Lock()
         self.reaped = 0  # counted by report() alone (one thread)
         self.rejected = 0
 
@@ -326,15 +329,21 @@ class PhaseBatches:
             with lane.transaction() as queries:
                 ids = candidates(
                     queries, self.phase, self.settings, as_of=self.run.as_of,
-                    excluded=self.run.excluded_now(), shortest=self.shortest,
+                    excluded=self._excluded(), shortest=self.shortest,
                 )  # fmt: skip
             outcome = self._isolate(lane, ids, exc)
             outcome.candidates = len(ids)
         self.locked.add(
             [r.conference_id for r in outcome.reaped] + [r.conference_id for r in outcome.rejected],
-            outcome.locked,
+            outcome.locked + outcome.held,
         )
         return Done(outcome, began, time.time_ns())
+
+    def _excluded(self) -> list[str]:
+        """Rooms no batch of this phase claims: the cycle's poison, and the rooms a
+        command held a roster row of (a later cycle closes them)."""
+        with self._held_lock:
+            return self.run.excluded_now() + list(self._held)
 
     def report(self, done: Done) -> None:
         """Count a committed batch and tell it (the teller thread only)."""
@@ -348,10 +357,10 @@ class PhaseBatches:
                 run.run_id,
                 phase.name,
                 phase.outcome,
-                outcome.claimed,
+                len(outcome.reaped) + len(outcome.rejected),
                 tuple(outcome.reaped),
                 tuple(outcome.rejected),
-                len(outcome.locked),
+                len(outcome.locked) + len(outcome.held),
                 tuple(outcome.stops),
                 done.began_ns,
                 done.ended_ns,
@@ -373,7 +382,7 @@ class PhaseBatches:
                 as_of=run.as_of,
                 run_id=run.run_id,
                 holder_pid=run.holder_pid,
-                excluded=run.excluded_now(),
+                excluded=self._excluded(),
                 only=only,
                 shortest=self.shortest,
             )
@@ -383,6 +392,8 @@ class PhaseBatches:
                     f"{run.holder_pid}) is gone or another cycle took the run over"
                 )
             # Before the commit: a lane whose batch starts after it leaves them out.
+            with self._held_lock:
+                self._held.update(outcome.held)
             fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
             outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]
         return outcome

@@ -82,6 +82,8 @@ class BatchOutcome:
     reaped: list[ConferenceReaped] = field(default_factory=list)
     rejected: list[ConferenceRejected] = field(default_factory=list)
     locked: list[str] = field(default_factory=list)
+    # claimed, but a command holds one of their open roster rows: left alone
+    held: list[str] = field(default_factory=list)
     stops: list[StopRequest] = field(default_factory=list)
     # reaped rooms whose duration could not be given (docs/design.md#anomalies)
     anomalies: list[ConferenceAnomaly] = field(default_factory=list)
@@ -93,7 +95,7 @@ class BatchOutcome:
 
     @property
     def claimed(self) -> int:
-        return len(self.reaped) + len(self.rejected)
+        return len(self.reaped) + len(self.rejected) + len(self.held)
 
     def full(self, batch_size: int) -> bool:
         """A whole batch: there may be more to do."""
@@ -104,6 +106,7 @@ class BatchOutcome:
             self.reaped + other.reaped,
             self.rejected + other.rejected,
             self.locked + other.locked,
+            self.held + other.held,
             self.stops + other.stops,
             self.anomalies + other.anomalies,
             max(self.candidates, other.candidates),
@@ -197,6 +200,8 @@ def reap_batch(
             outcome.rejected.append(ConferenceRejected(run_id, phase.name, conference_id, detail))
         elif kind == "locked":
             outcome.locked.append(conference_id)
+        elif kind == "held":
+            outcome.held.append(conference_id)
         elif kind == "fenced":
             outcome.fenced = True
         else:

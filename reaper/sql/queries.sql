@@ -8,8 +8,10 @@
 -- before the roster update (an open roster row is reported with leftAt = as_of).
 --
 -- Result rows of a phase statement, in one shape:
---   kind            'reaped' | 'poison' | 'locked' | 'stop' | 'fenced' (the run
---                   is no longer the batch's to change: nothing changed)
+--   kind            'reaped' | 'poison' | 'locked' | 'held' (claimed, but a
+--                   command holds one of its open roster rows: left for a later
+--                   cycle) | 'stop' | 'fenced' (the run is no longer the
+--                   batch's to change: nothing changed)
 --   conference_id, chat_id, deal_id, duration_seconds
 --   detail          poison: why; stop: the recording id; otherwise null
 --   tenant_id, lateness_seconds   reaped (tenant also poison); otherwise null
@@ -242,6 +244,23 @@ claimed AS (
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
+-- Open roster rows of the claimed rooms, locked without waiting. A room one of
+-- whose open rows a command holds (a "leave" locks its row, then updates the
+-- room) is left out of the batch, reported 'held', and closed by a later
+-- cycle: the batch never waits on a command's row and so can never deadlock
+-- with one, whatever order the command locks in (docs/design.md#lock-order).
+roster_claimed AS (
+    SELECT p.id, p.conference_id
+    FROM messenger.conference_participants p
+    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
+    FOR UPDATE SKIP LOCKED
+),
+held AS (
+    SELECT DISTINCT p.conference_id AS id
+    FROM messenger.conference_participants p
+    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
+      AND p.id NOT IN (SELECT r.id FROM roster_claimed r)
+),
 ended AS (
     UPDATE messenger.conference_sessions s
     SET status = 'Ended',
@@ -263,15 +282,17 @@ ended AS (
     -- planner (which cannot estimate a CTE) chose a hash join over every
     -- candidate, or a nested loop quadratic in the batch. tests/test_query_plans.py
     -- holds this.
-    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c))
+    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c
+                            WHERE c.id NOT IN (SELECT h.id FROM held h)))
       AND s.status = 'Active'
     RETURNING s.*
 ),
 roster AS (
+    -- the rows roster_claimed locked: this update waits on no one
     UPDATE messenger.conference_participants p
     SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
-    FROM ended
-    WHERE p.conference_id = ended.id AND p.left_at IS NULL
+    WHERE p.id = ANY (ARRAY(SELECT r.id FROM roster_claimed r
+                            WHERE r.conference_id IN (SELECT x.id FROM ended x)))
 ),
 -- Each ended room's recordings, read once (one probe of ix_recordings_conference):
 -- the latest one names the event's recording, the running ones get a stop signal.
@@ -370,6 +391,11 @@ SELECT 'poison', c.id::text, c.chat_id::text, c.deal_id::text, NULL,
 FROM claimed c
 -- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
 WHERE c.id NOT IN (SELECT e.id FROM ended e)
+  AND c.id NOT IN (SELECT h.id FROM held h)
+UNION ALL
+-- claimed, but a command holds one of its open roster rows (skipped, not poison)
+SELECT 'held', h.id::text, NULL, NULL, NULL, NULL, NULL, NULL
+FROM held h
 UNION ALL
 SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
 FROM visible v
@@ -449,6 +475,23 @@ claimed AS (
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
+-- Open roster rows of the claimed rooms, locked without waiting. A room one of
+-- whose open rows a command holds (a "leave" locks its row, then updates the
+-- room) is left out of the batch, reported 'held', and closed by a later
+-- cycle: the batch never waits on a command's row and so can never deadlock
+-- with one, whatever order the command locks in (docs/design.md#lock-order).
+roster_claimed AS (
+    SELECT p.id, p.conference_id
+    FROM messenger.conference_participants p
+    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
+    FOR UPDATE SKIP LOCKED
+),
+held AS (
+    SELECT DISTINCT p.conference_id AS id
+    FROM messenger.conference_participants p
+    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
+      AND p.id NOT IN (SELECT r.id FROM roster_claimed r)
+),
 failed AS (
     UPDATE messenger.conference_sessions s
     SET status = 'Failed',
@@ -457,15 +500,17 @@ failed AS (
         updated_at = :as_of,
         active_participant_count = 0
     -- as in end_active_batch: by key, the claim checked the rest
-    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c))
+    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c
+                            WHERE c.id NOT IN (SELECT h.id FROM held h)))
       AND s.status = 'Provisioning'
     RETURNING s.*
 ),
 roster AS (
+    -- the rows roster_claimed locked: this update waits on no one
     UPDATE messenger.conference_participants p
     SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
-    FROM failed
-    WHERE p.conference_id = failed.id AND p.left_at IS NULL
+    WHERE p.id = ANY (ARRAY(SELECT r.id FROM roster_claimed r
+                            WHERE r.conference_id IN (SELECT x.id FROM failed x)))
 ),
 realtime AS (
     INSERT INTO messenger.realtime_outbox
@@ -496,6 +541,11 @@ SELECT 'poison', c.id::text, NULL, NULL, NULL, 'rejected by the status guard', N
 FROM claimed c
 -- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
 WHERE c.id NOT IN (SELECT f.id FROM failed f)
+  AND c.id NOT IN (SELECT h.id FROM held h)
+UNION ALL
+-- claimed, but a command holds one of its open roster rows (skipped, not poison)
+SELECT 'held', h.id::text, NULL, NULL, NULL, NULL, NULL, NULL
+FROM held h
 UNION ALL
 SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
 FROM visible v
