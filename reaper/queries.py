@@ -7,7 +7,7 @@ reads rows, so a reader finds every statement the reaper runs in one place.
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -230,9 +230,7 @@ class Queries:
 
     def stale_live_eligible(self, *, as_of: datetime, cutoff: datetime, excluded: list[str]) -> int:
         """The Active rooms stale_live would end now (the mass-closure guard)."""
-        row = _run(
-            self.conn, "stale_live_eligible", as_of=as_of, cutoff=cutoff, excluded=excluded
-        )
+        row = _run(self.conn, "stale_live_eligible", as_of=as_of, cutoff=cutoff, excluded=excluded)
         return int(row.scalar())
 
     def active_count(self) -> int:
@@ -317,10 +315,13 @@ class Queries:
         """Parked rows back to pending: one (by event id) or, with None, all."""
         return _run(self.conn, "requeue_outbox", event_id=event_id).rowcount
 
-    def delete_published_outbox(self, cutoff: datetime, batch_size: int) -> int:
+    def delete_published_outbox(self, retention: timedelta, batch_size: int) -> int:
         return _run(
-            self.conn, "delete_published_outbox", cutoff=cutoff, batch_size=batch_size
-        ).rowcount
+            self.conn,
+            "delete_published_outbox",
+            retention_s=retention.total_seconds(),
+            batch_size=batch_size,
+        ).scalar_one()
 
     def try_relay_lock(self) -> bool:
         return bool(_run(self.conn, "try_relay_lock").scalar())
@@ -384,9 +385,7 @@ class Queries:
         return _run(self.conn, "phase_pause", phase=phase).scalar()
 
     def pause_phase(self, phase: str, reason: str, for_s: float | None, by: str) -> Row:
-        return _run(
-            self.conn, "pause_phase", phase=phase, reason=reason, for_s=for_s, by=by
-        ).one()
+        return _run(self.conn, "pause_phase", phase=phase, reason=reason, for_s=for_s, by=by).one()
 
     def resume_phases(self, phases: list[str]) -> list[Row]:
         return list(_run(self.conn, "resume_phases", phases=phases))
