@@ -100,14 +100,20 @@ class Local:
     ports: dict[int, int] = field(default_factory=dict)
 
     def text(self, value: str) -> str:
+        """Every name, path and port rewritten in one pass (a rewritten part is
+        never rewritten again: a test directory under /tmp stays as it is)."""
+        table: dict[str, str] = {}
         for name, (host, inside, here) in self.services.items():
-            value = value.replace(f"@{name}:{inside}", f"@{host}:{here}")
-            value = value.replace(f"{name}:{inside}", f"{host}:{here}")
+            table[f"{name}:{inside}"] = f"{host}:{here}"
         for inside_dir, here_dir in self.paths.items():
-            value = value.replace(inside_dir, f"{here_dir}/")
-        for inside, here in self.ports.items():
-            value = re.sub(rf"(?<![0-9]){inside}(?![0-9])", str(here), value)
-        return value
+            table[inside_dir] = f"{here_dir}/"
+        for inside_port, here_port in self.ports.items():
+            table[str(inside_port)] = str(here_port)
+        keys = sorted(table, key=len, reverse=True)  # the longest match first
+        pattern = "|".join(
+            rf"(?<![0-9]){re.escape(k)}(?![0-9])" if k.isdigit() else re.escape(k) for k in keys
+        )
+        return re.sub(pattern, lambda m: table[m[0]], value)
 
     def command(self, argv: list[str]) -> list[str]:
         return [self.text(arg) for arg in argv]
