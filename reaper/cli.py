@@ -28,9 +28,14 @@ def _settings() -> Settings:
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
     from reaper.db import migrate
 
-    migrate(settings.database_url, args.revision)
+    try:
+        migrate(settings.database_url, args.revision)
+    except SQLAlchemyError as exc:  # e.g. run as a login that is not the schema owner
+        return _database_failed(settings, exc)
     print(f"schema at {args.revision}")
     return 0
 

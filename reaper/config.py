@@ -99,6 +99,12 @@ def _bootstrap(value: str) -> str:
 Duration = Annotated[timedelta, BeforeValidator(_duration), AfterValidator(_positive)]
 
 
+# The worker's role deletes published outbox rows only through a function that
+# keeps every row published within the last hour (migration 0009): a shorter
+# retention would fail every retention pass.
+OUTBOX_RETENTION_FLOOR = timedelta(hours=1)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
@@ -198,6 +204,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 "REAPER_RELAY_BACKOFF_INITIAL: must not exceed REAPER_RELAY_BACKOFF_MAX "
                 f"({self.relay_backoff_initial} > {self.relay_backoff_max})"
+            )
+        if self.outbox_retention < OUTBOX_RETENTION_FLOOR:
+            raise ValueError(
+                "REAPER_OUTBOX_RETENTION: must be at least 1 hour, the least the database "
+                f"keeps a published row (got {self.outbox_retention})"
             )
         if self.lock_ttl <= self.max_run_duration:
             raise ValueError(

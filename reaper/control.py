@@ -107,7 +107,7 @@ class Controls:
         if not given:
             raise PolicyRefused("policy set", f"give at least one of {', '.join(OPTIONS.values())}")
         for name, value in given.items():
-            check_window(OPTIONS[name], value)
+            check_window(OPTIONS[name], value, floors(self.settings)[name])
         by = operator(self.settings)
         seconds = {f"{name}_s": None for name in OPTIONS}
         seconds.update({f"{name}_s": value.total_seconds() for name, value in given.items()})
@@ -179,6 +179,23 @@ OPTIONS = {
 }
 # The table's own check (migration 0008) holds the same bound.
 MAX_WINDOW = timedelta(days=7)
+# An occupied room is ended this long after its last heartbeat at the earliest:
+# a presence hiccup or a redeploy of the presence service must not close rooms
+# in use, and a typo (--stale-live-timeout 1) must not either.
+STALE_LIVE_FLOOR = timedelta(minutes=15)
+
+
+def floors(settings: Settings) -> dict[str, timedelta]:
+    """The shortest window a tenant may have, by column (docs/design.md#windows-per-tenant).
+
+    The grace and the provision timeout: one polling interval, since a cycle
+    only comes that often, so a shorter window closes nothing sooner and is a
+    typo. The stale-live timeout: STALE_LIVE_FLOOR."""
+    return {
+        "empty_room_grace": settings.polling_interval,
+        "provision_timeout": settings.polling_interval,
+        "stale_live_timeout": STALE_LIVE_FLOOR,
+    }
 
 
 class PolicyRefused(ValueError):
@@ -189,10 +206,15 @@ class PolicyRefused(ValueError):
         self.option = option
 
 
-def check_window(option: str, value: timedelta) -> None:
+def check_window(option: str, value: timedelta, floor: timedelta) -> None:
     if value <= timedelta(0):
         raise PolicyRefused(
             option, f"must be a positive duration (got {value.total_seconds():g} s)"
+        )
+    if value < floor:
+        raise PolicyRefused(
+            option,
+            f"must be at least {human(floor.total_seconds())} (got {value.total_seconds():g} s)",
         )
     if value > MAX_WINDOW:
         raise PolicyRefused(option, f"must be at most 7 days (got {human(value.total_seconds())})")

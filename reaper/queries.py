@@ -7,7 +7,7 @@ reads rows, so a reader finds every statement the reaper runs in one place.
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -338,10 +338,13 @@ class Queries:
         """Parked rows back to pending: one (by event id) or, with None, all."""
         return _run(self.conn, "requeue_outbox", event_id=event_id).rowcount
 
-    def delete_published_outbox(self, cutoff: datetime, batch_size: int) -> int:
+    def delete_published_outbox(self, retention: timedelta, batch_size: int) -> int:
         return _run(
-            self.conn, "delete_published_outbox", cutoff=cutoff, batch_size=batch_size
-        ).rowcount
+            self.conn,
+            "delete_published_outbox",
+            retention_s=retention.total_seconds(),
+            batch_size=batch_size,
+        ).scalar_one()
 
     def try_relay_lock(self) -> bool:
         return bool(_run(self.conn, "try_relay_lock").scalar())

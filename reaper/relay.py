@@ -513,12 +513,15 @@ class Relay:
 
     def _retention(self, deadline: float) -> int:
         """Delete published rows older than the retention, a small batch per transaction."""
+        # the database compares by its own clock; the log's cutoff is this process's view
         cutoff = datetime.now(UTC) - self.settings.outbox_retention
         deleted = 0
         try:
             for _ in range(RETENTION_MAX_BATCHES):
                 with transaction(self.engine, budgets.quick(self.settings)) as queries:
-                    count = queries.delete_published_outbox(cutoff, RETENTION_BATCH)
+                    count = queries.delete_published_outbox(
+                        self.settings.outbox_retention, RETENTION_BATCH
+                    )
                 deleted += count
                 if count < RETENTION_BATCH or time.monotonic() >= deadline:
                     break

@@ -83,6 +83,7 @@ COMBINATIONS: list[tuple[dict[str, str], str]] = [
     ({"RUN_LEASE": "120"}, "RUN_LEASE"),
     ({"RUN_LEASE": "50", "LOCK_TTL": "45"}, "LOCK_TTL"),
     ({"RELAY_BACKOFF_INITIAL": "120"}, "RELAY_BACKOFF_MAX"),
+    ({"OUTBOX_RETENTION": "3599"}, "OUTBOX_RETENTION"),
     ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "KAFKA_SASL_MECHANISM"),
     (
         {
@@ -109,6 +110,7 @@ VALID: list[dict[str, str]] = [
     {"POLLING_INTERVAL": "PT90S", "EMPTY_ROOM_GRACE": "1.5", "LOCK_TTL": "P1D"},
     {"MASS_CLOSURE_SHARE": "1", "MASS_CLOSURE_FLOOR": "0", "METRICS_PORT": "0"},
     {"METRICS_ADDRESS": "127.0.0.1"},
+    {"OUTBOX_RETENTION": "PT1H"},
     {"METRICS_ADDRESS": "::"},
     {"METRICS_ADDRESS": "worker-1.internal"},
     {"DATABASE_URL": "postgresql://u:p%40ss@db:5432/reaper?sslmode=verify-full"},

@@ -199,7 +199,11 @@ def test_compose_has_the_services_their_health_and_order():
     for name in ("postgres", "redis", "kafka"):
         assert needs[name]["condition"] == "service_healthy"
         assert services[name]["healthcheck"]["test"]
-    assert needs["migrate"]["condition"] == "service_completed_successfully"
+    # ... and once its login exists, which is made after the migration made its role
+    assert needs["db-logins"]["condition"] == "service_completed_successfully"
+    assert services["db-logins"]["depends_on"]["migrate"]["condition"] == (
+        "service_completed_successfully"
+    )
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     # the worker's health check is /healthz (503 when cycles stop, e.g. beat died)
     assert any("/healthz" in part for part in services["worker"]["healthcheck"]["test"])
@@ -237,11 +241,11 @@ def test_compose_variables_are_the_services_own_and_secrets_come_from_the_enviro
             if re.search(r"PASSWORD|SECRET|TOKEN|AUTH", key):
                 assert value.startswith("${"), (key, value)
     url = environment_of(services["worker"])["REAPER_DATABASE_URL"]
-    assert "${POSTGRES_PASSWORD" in url
+    assert "${REAPER_WORKER_DB_PASSWORD" in url
     # what the containers get is a valid configuration for the worker and the CLI
     for key, value in environment_of(services["worker"]).items():
         if key.startswith(ENV_PREFIX):
-            value = re.sub(r"\$\{POSTGRES_PASSWORD[^}]*\}", "pw", value)
+            value = re.sub(r"\$\{[A-Z_]+:\?[^}]*\}", "pw", value)
             value = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
             monkeypatch.setenv(key, value)
     monkeypatch.delenv("REAPER_RECORDER_URL", raising=False)  # empty default: unset

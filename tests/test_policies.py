@@ -17,8 +17,9 @@ import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
 
 from reaper import metrics
+from reaper.clock import human
 from reaper.config import Settings
-from reaper.control import Controls, PolicyRefused
+from reaper.control import OPTIONS, STALE_LIVE_FLOOR, Controls, PolicyRefused, floors
 from reaper.cycle import Reaper
 from reaper.events import ConferenceReaped, MassClosure, process_bus
 from reaper.overview import plan, status
@@ -98,9 +99,7 @@ def test_a_longer_grace_keeps_that_tenants_empty_room_only(settings, engine, fac
                     within)  # fmt: skip
 
 
-def test_a_longer_provision_timeout_keeps_that_tenants_room_provisioning(
-    settings, engine, facts
-):
+def test_a_longer_provision_timeout_keeps_that_tenants_room_provisioning(settings, engine, facts):
     Controls(engine, settings).set_policy(A, provision_timeout=timedelta(minutes=10))
     with engine.begin() as conn:
         kept = f.conference(conn, status="Provisioning", age=timedelta(minutes=5), tenant_id=A)
@@ -382,6 +381,10 @@ def test_set_merges_into_the_tenants_policy_and_tells_who(settings, engine, fact
         ({"provision_timeout": timedelta(seconds=-1)}, "--provision-timeout"),
         ({"stale_live_timeout": timedelta(days=7, seconds=1)}, "--stale-live-timeout"),
         ({"empty_room_grace": timedelta(hours=4)}, "--empty-room-grace"),  # = default stale
+        # below the floors: one polling interval (30 s), 15 minutes for stale_live
+        ({"empty_room_grace": timedelta(seconds=29)}, "--empty-room-grace"),
+        ({"provision_timeout": timedelta(seconds=1)}, "--provision-timeout"),
+        ({"stale_live_timeout": timedelta(minutes=14, seconds=59)}, "--stale-live-timeout"),
         ({}, "policy set"),
     ],
 )
@@ -395,6 +398,38 @@ def test_refused_windows_change_nothing(settings, engine, windows, option):
     with pytest.raises(PolicyRefused):  # a new tenant: nothing inserted either
         controls.set_policy(B, **windows)
     assert policies(engine) == before
+
+
+def test_the_floors_are_one_polling_interval_and_fifteen_minutes(database_url, engine):
+    settings = Settings(database_url=database_url, polling_interval=timedelta(minutes=1))
+    controls = Controls(engine, settings)
+    assert floors(settings) == {
+        "empty_room_grace": timedelta(minutes=1),
+        "provision_timeout": timedelta(minutes=1),
+        "stale_live_timeout": STALE_LIVE_FLOOR,
+    }
+    assert timedelta(minutes=15) == STALE_LIVE_FLOOR
+    for name, option in OPTIONS.items():
+        floor = floors(settings)[name]
+        with pytest.raises(PolicyRefused) as refused:
+            controls.set_policy(A, **{name: floor - timedelta(milliseconds=1)})
+        assert str(refused.value) == (
+            f"{option}: must be at least {human(floor.total_seconds())}"
+            f" (got {(floor - timedelta(milliseconds=1)).total_seconds():g} s)"
+        )
+        assert policies(engine) == []
+    # each floor itself is a valid window
+    controls.set_policy(
+        A,
+        empty_room_grace=timedelta(minutes=1),
+        provision_timeout=timedelta(minutes=1),
+        stale_live_timeout=STALE_LIVE_FLOOR,
+    )
+    [stored] = policies(engine)
+    assert (stored["empty_room_grace"], stored["stale_live_timeout"]) == (
+        timedelta(minutes=1),
+        STALE_LIVE_FLOOR,
+    )
 
 
 def test_the_grace_is_checked_against_the_merged_policy(settings, engine):
@@ -515,13 +550,17 @@ def test_policy_set_list_unset_round_trip(engine):
         (["--provision-timeout", "soon"], "--provision-timeout: 'soon' must be seconds (90)"),
         # the tenant's effective grace must stay below its effective stale-live timeout
         (["--empty-room-grace", "PT4H"], "--empty-room-grace: the tenant's empty-room grace (4h)"),
-        (["--stale-live-timeout", "300"], "--stale-live-timeout: the tenant's empty-room grace"),
+        (["--stale-live-timeout", "900"], "--stale-live-timeout: the tenant's empty-room grace"),
+        # below the floors: one polling interval (30 s), 15 minutes for stale_live
+        (["--empty-room-grace", "29"], "--empty-room-grace: must be at least 30s (got 29 s)"),
+        (["--provision-timeout", "PT10S"], "--provision-timeout: must be at least 30s (got 10 s)"),
+        (["--stale-live-timeout", "1"], "--stale-live-timeout: must be at least 15m (got 1 s)"),
         ([], "policy set: give at least one of --empty-room-grace, --provision-timeout,"),
         (["--tenant", "not-a-uuid", "--empty-room-grace", "60"], "--tenant: 'not-a-uuid' is not"),
     ],
 )
 def test_policy_set_refuses_with_one_line_and_changes_nothing(engine, args, line):
-    existing = run_cli("policy", "set", "--tenant", A, "--empty-room-grace", "600")
+    existing = run_cli("policy", "set", "--tenant", A, "--empty-room-grace", "1200")
     assert existing.returncode == 0, existing.stderr
     before = policies(engine)
     tenant = [] if "--tenant" in args else ["--tenant", A]

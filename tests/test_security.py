@@ -99,14 +99,20 @@ TABLES = (
     "integration_outbox",
     "realtime_outbox",
     "reaper_runs",
+    "reaper_pauses",
+    "reaper_tenant_policies",
 )
 EXPECTED_TABLE_PRIVILEGES = {
     "conference_sessions": {"SELECT"},
     "conference_participants": {"SELECT"},
     "call_recordings": {"SELECT"},
-    "integration_outbox": {"SELECT", "INSERT", "DELETE"},
+    # retention deletes through messenger.delete_published_outbox (migration 0009)
+    "integration_outbox": {"SELECT", "INSERT"},
     "realtime_outbox": {"SELECT", "INSERT"},
     "reaper_runs": {"SELECT", "INSERT", "DELETE"},
+    # the operator's controls: read, never written (migration 0009)
+    "reaper_pauses": {"SELECT"},
+    "reaper_tenant_policies": {"SELECT"},
 }
 EXPECTED_UPDATE_COLUMNS = {
     "conference_sessions": {
@@ -138,6 +144,8 @@ EXPECTED_UPDATE_COLUMNS = {
         "finished_at",
         "outcome",
     },
+    "reaper_pauses": set(),
+    "reaper_tenant_policies": set(),
 }
 
 
@@ -243,6 +251,10 @@ def test_a_cycle_and_a_relay_pass_run_as_a_member_of_the_role(engine, login_url,
             "CREATE INDEX ON messenger.conference_sessions (chat_id)",
             "TRUNCATE messenger.integration_outbox",
             "DELETE FROM messenger.conference_sessions",
+            "DELETE FROM messenger.integration_outbox",
+            "DELETE FROM messenger.reaper_pauses",
+            "INSERT INTO messenger.reaper_tenant_policies (tenant_id, stale_live_timeout,"
+            " updated_at, updated_by) VALUES (gen_random_uuid(), '1 ms', now(), 'x')",
             "UPDATE messenger.conference_sessions SET chat_id = gen_random_uuid()",
             "UPDATE messenger.integration_outbox SET payload = '{}'",
             "INSERT INTO messenger.conference_sessions (id) VALUES (gen_random_uuid())",

@@ -766,15 +766,11 @@ WHERE parked_at IS NOT NULL
   AND (CAST(:event_id AS uuid) IS NULL OR event_id = CAST(:event_id AS uuid));
 
 -- name: delete_published_outbox
--- Retention, one small batch at a time.
-DELETE FROM messenger.integration_outbox
-WHERE id IN (
-    SELECT id
-    FROM messenger.integration_outbox
-    WHERE published_at IS NOT NULL AND published_at < :cutoff
-    ORDER BY published_at
-    LIMIT :batch_size
-    FOR UPDATE SKIP LOCKED);
+-- Retention, one small batch at a time: how many published rows older than
+-- :retention_s (by the database's clock) were deleted. The worker's role may
+-- not DELETE from the table; the definer function (migration 0009) deletes
+-- only published rows, and refuses a retention under an hour.
+SELECT messenger.delete_published_outbox(make_interval(secs => :retention_s), :batch_size);
 
 -- name: try_relay_lock
 -- One relay pass at a time across all workers, so relays never fill every

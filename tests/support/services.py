@@ -24,11 +24,14 @@ def _as_postgres() -> list[str]:
 
 
 class PrivatePostgres:
-    def __init__(self, *, tls: bool = False) -> None:
+    def __init__(self, *, tls: bool = False, password_auth: bool = False) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="reaper-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
         self.tls = tls
+        # TCP clients must give a password (SCRAM), as in the postgres image;
+        # the unix socket in self.root stays trusted for the test's own setup.
+        self.password_auth = password_auth
         if os.geteuid() == 0:
             shutil.chown(self.root, "postgres")
 
@@ -41,6 +44,7 @@ class PrivatePostgres:
         self._run(
             str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
             "--no-sync", "-E", "UTF8",
+            *(["--auth-host=scram-sha-256"] if self.password_auth else []),
         )  # fmt: skip
         if self.tls:
             self._make_certificates()
@@ -70,6 +74,10 @@ class PrivatePostgres:
         with contextlib.suppress(subprocess.CalledProcessError):  # not running
             self.stop("immediate")
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def socket_url(self, database: str = "postgres") -> str:
+        """As the superuser postgres over the unix socket (trusted)."""
+        return f"postgresql+psycopg2://postgres@/{database}?host={self.root}&port={self.port}"
 
     def url(self, database: str = "reaper", user: str = "postgres", query: str = "") -> str:
         url = f"postgresql+psycopg2://{user}@127.0.0.1:{self.port}/{database}"
