@@ -533,6 +533,12 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+class _Listener(WSGIServer):
+    # The kernel's queue of connections not yet accepted: socketserver's 5
+    # made a crowd of clients wait for SYN retries (seconds) before even that.
+    request_queue_size = MAX_GATHERING
+
+
 @dataclass
 class _Gathering:
     """A connection whose request has not fully arrived yet."""
@@ -546,7 +552,7 @@ class _BoundedServer:
     def __init__(self, address: str, port: int, app: Callable[..., Any]) -> None:
         # wsgiref's server binds and listens, and gives the handlers their WSGI
         # environment and app; its own loop (a thread per request) is not used.
-        self.wsgi = WSGIServer((address, port), _QuietHandler)
+        self.wsgi = _Listener((address, port), _QuietHandler)
         self.wsgi.set_app(app)
         self.listener = self.wsgi.socket
         self.listener.setblocking(False)
@@ -579,15 +585,17 @@ class _BoundedServer:
                 self._drop(sock)
 
     def _accept(self) -> None:
-        try:
-            sock, address = self.listener.accept()
-        except OSError:  # gone before it was accepted, or no connection after all
-            return
-        if len(self.gathering) >= MAX_GATHERING:
-            self._drop(next(iter(self.gathering)))
-        sock.setblocking(False)
-        self.gathering[sock] = _Gathering(address, time.monotonic() + REQUEST_TIMEOUT_S)
-        self.selector.register(sock, selectors.EVENT_READ)
+        """Every connection waiting in the kernel's queue."""
+        while True:
+            try:
+                sock, address = self.listener.accept()
+            except OSError:  # none left (BlockingIOError), or gone before it was accepted
+                return
+            if len(self.gathering) >= MAX_GATHERING:
+                self._drop(next(iter(self.gathering)))
+            sock.setblocking(False)
+            self.gathering[sock] = _Gathering(address, time.monotonic() + REQUEST_TIMEOUT_S)
+            self.selector.register(sock, selectors.EVENT_READ)
 
     def _receive(self, sock: socket.socket) -> None:
         gathering = self.gathering.get(sock)
