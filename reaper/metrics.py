@@ -500,15 +500,18 @@ class Server:
 REQUEST_TIMEOUT_S = 5.0
 # Writing an answer to a client that stopped reading gives up after this.
 WRITE_TIMEOUT_S = 5.0
-# Requests answered side by side: a scrape and a probe, each of which may wait
-# on the database (a scrape's refresh up to budgets.READ), with room to spare.
-HANDLER_THREADS = 4
+# Requests answered side by side, per kind. /healthz has threads of its own: a
+# scrape's refresh waits on the database (up to budgets.READ, longer on a dead
+# connection), and scrapes stuck there must never keep a probe waiting past
+# its own budget (budgets.HEALTH).
+METRICS_THREADS = 2
+HEALTH_THREADS = 2
 # Connections still sending their request. At the limit the oldest is closed:
 # a crowd of idle clients never keeps a new scrape out.
 MAX_GATHERING = 64
-# Requests that have arrived and wait for a handler; beyond that a new one is
-# closed unanswered rather than queued without end.
-MAX_WAITING = 16
+# Requests that have arrived and wait for a handler, per kind; beyond that a
+# new one is closed unanswered rather than queued without end.
+MAX_WAITING = 8
 # The longest request head (request line and headers) accepted.
 MAX_REQUEST_BYTES = 16384
 # How often the accepting thread closes expired connections and looks for close().
@@ -548,6 +551,15 @@ class _Gathering:
     head: bytes = b""
 
 
+_Waiting = queue.Queue[tuple[socket.socket, _Gathering]]
+
+
+def _path(head: bytes) -> bytes:
+    """The path of a request's first line (``GET /healthz?x HTTP/1.1``), without its query."""
+    parts = head.split(b" ", 2)
+    return parts[1].split(b"?", 1)[0] if len(parts) > 1 else b""
+
+
 class _BoundedServer:
     def __init__(self, address: str, port: int, app: Callable[..., Any]) -> None:
         # wsgiref's server binds and listens, and gives the handlers their WSGI
@@ -559,13 +571,12 @@ class _BoundedServer:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.gathering: dict[socket.socket, _Gathering] = {}  # oldest first
-        self.waiting: queue.Queue[tuple[socket.socket, _Gathering]] = queue.Queue(MAX_WAITING)
+        self.metrics_waiting: _Waiting = queue.Queue(MAX_WAITING)
+        self.health_waiting: _Waiting = queue.Queue(MAX_WAITING)
         self.closing = threading.Event()
         self.threads = [threading.Thread(target=self._accept_loop, name="reaper-http", daemon=True)]
-        self.threads += [
-            threading.Thread(target=self._handler_loop, name=f"reaper-http-{n}", daemon=True)
-            for n in range(HANDLER_THREADS)
-        ]
+        self.threads += self._handlers("metrics", self.metrics_waiting, METRICS_THREADS)
+        self.threads += self._handlers("healthz", self.health_waiting, HEALTH_THREADS)
         for thread in self.threads:
             thread.start()
 
@@ -614,8 +625,10 @@ class _BoundedServer:
         if b"\r\n\r\n" in gathering.head:
             self._forget(sock)
             sock.setblocking(True)
+            healthz = _path(gathering.head) == b"/healthz"
+            waiting = self.health_waiting if healthz else self.metrics_waiting
             try:
-                self.waiting.put_nowait((sock, gathering))
+                waiting.put_nowait((sock, gathering))
             except queue.Full:
                 sock.close()
         elif len(gathering.head) > MAX_REQUEST_BYTES:
@@ -629,10 +642,21 @@ class _BoundedServer:
         self._forget(sock)
         sock.close()
 
-    def _handler_loop(self) -> None:
+    def _handlers(self, kind: str, waiting: _Waiting, count: int) -> list[threading.Thread]:
+        return [
+            threading.Thread(
+                target=self._handler_loop,
+                args=(waiting,),
+                daemon=True,
+                name=f"reaper-http-{kind}-{n}",
+            )
+            for n in range(count)
+        ]
+
+    def _handler_loop(self, waiting: _Waiting) -> None:
         while not self.closing.is_set():
             try:
-                sock, gathering = self.waiting.get(timeout=TICK_S)
+                sock, gathering = waiting.get(timeout=TICK_S)
             except queue.Empty:
                 continue
             try:

@@ -1,7 +1,8 @@
 """The worker's ``/metrics`` and ``/healthz`` server is bounded (docs/design.md#metrics):
 clients that connect and send nothing, or trickle their request, hold no
 thread, are closed after ``REQUEST_TIMEOUT_S``, and never keep a real scrape
-or probe from answering."""
+or probe from answering; scrapes waiting on the database never keep a probe
+waiting."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
-from reaper.metrics import HANDLER_THREADS, MAX_GATHERING, REQUEST_TIMEOUT_S
+from reaper.metrics import HEALTH_THREADS, MAX_GATHERING, METRICS_THREADS, REQUEST_TIMEOUT_S
 from tests.support.ports import free_port
 from tests.support.processes import Worker, wait_until
 
@@ -75,18 +78,19 @@ class Trickler(threading.Thread):
             self.sent += 1
 
 
+def metrics_worker(tmp_path: Path, name: str, interval: int = 1) -> tuple[Worker, int]:
+    port = free_port()
+    env = {
+        "REAPER_POLLING_INTERVAL": str(interval),
+        "REAPER_METRICS_PORT": str(port),
+        "REAPER_METRICS_ADDRESS": "127.0.0.1",
+    }
+    return Worker(tmp_path, env, name=name).start(), port
+
+
 def test_idle_and_trickling_clients_hold_no_thread_and_block_no_scrape(engine, tmp_path, capsys):
     assert IDLE + TRICKLING < MAX_GATHERING  # all of them wait for their own timeout
-    port = free_port()
-    worker = Worker(
-        tmp_path,
-        {
-            "REAPER_POLLING_INTERVAL": "1",
-            "REAPER_METRICS_PORT": str(port),
-            "REAPER_METRICS_ADDRESS": "127.0.0.1",
-        },
-        name="http-bounds",
-    ).start()
+    worker, port = metrics_worker(tmp_path, "http-bounds")
     assert worker.proc is not None
     crowd: list[socket.socket] = []
     stop = threading.Event()
@@ -141,8 +145,37 @@ def test_idle_and_trickling_clients_hold_no_thread_and_block_no_scrape(engine, t
         print(
             f"\n[figures] {IDLE} idle + {TRICKLING} trickling connections: /metrics answered in"
             f" {metrics_took:.2f}s, /healthz in {health_took:.2f}s; worker threads {baseline}"
-            f" -> {during} ({HANDLER_THREADS} handlers); all closed by the server"
-            f" {first_closed:.1f}-{since_open:.1f}s after they opened (timeout"
+            f" -> {during} ({METRICS_THREADS} + {HEALTH_THREADS} handlers); all closed by the"
+            f" server {first_closed:.1f}-{since_open:.1f}s after they opened (timeout"
             f" {REQUEST_TIMEOUT_S:g}s); {MAX_GATHERING + 20} idle at once: /metrics in"
             f" {flood_took:.2f}s, the 20 oldest closed at once"
+        )
+
+
+def test_healthz_answers_while_scrapes_wait_on_the_database(engine, tmp_path, capsys):
+    # cycles fail while the table is locked: an interval long enough for
+    # /healthz to stay 200 meanwhile, so the answer is checked whole
+    worker, port = metrics_worker(tmp_path, "http-stuck-scrapes", interval=5)
+    scrapes = METRICS_THREADS + 2  # every /metrics thread busy, and more waiting
+    try:
+        wait_until(lambda: get(port, "/healthz")[0] == 200, 30, "healthy")
+        with engine.connect() as conn, ThreadPoolExecutor(scrapes) as pool:
+            # The scrape's refresh counts conferences: it waits on this lock
+            # (up to its read budget); /healthz reads no conference.
+            conn.execute(text("LOCK TABLE messenger.conference_sessions IN ACCESS EXCLUSIVE MODE"))
+            time.sleep(5.5)  # the refresh runs at most every 5 s: the next scrape runs one
+            stuck = [pool.submit(get, port, "/metrics") for _ in range(scrapes)]
+            time.sleep(1)
+            assert not any(f.done() for f in stuck)  # they are waiting on the database
+            health_code, health_took = get(port, "/healthz")
+            assert health_code == 200 and health_took < ANSWER_BOUND_S, health_took
+            conn.rollback()  # the lock goes: the scrapes answer
+            answered = [f.result(timeout=30) for f in stuck]
+        assert all(code == 200 for code, _ in answered)
+    finally:
+        worker.stop()
+    with capsys.disabled():
+        print(
+            f"\n[figures] {scrapes} scrapes waiting on a locked table: /healthz answered in"
+            f" {health_took:.2f}s; the scrapes after {max(t for _, t in answered):.1f}s"
         )
