@@ -589,8 +589,8 @@ class _BoundedServer:
             for key, _ in self.selector.select(TICK_S):
                 if key.fileobj is self.listener:
                     self._accept()
-                else:
-                    self._receive(key.fileobj)  # type: ignore[arg-type]
+                elif isinstance(key.fileobj, socket.socket):
+                    self._receive(key.fileobj)
             now = time.monotonic()
             for sock in [s for s, g in self.gathering.items() if g.deadline <= now]:
                 self._drop(sock)
@@ -672,6 +672,9 @@ class _BoundedServer:
             thread.join(timeout=TICK_S * 4)
         for sock in list(self.gathering):
             self._drop(sock)
+        for waiting in (self.metrics_waiting, self.health_waiting):
+            while not waiting.empty():
+                waiting.get_nowait()[0].close()
         self.selector.close()
         self.wsgi.server_close()
 
