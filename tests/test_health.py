@@ -10,15 +10,19 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
 
+from reaper.budgets import HEALTH
 from reaper.health import CLOSING_INTERVALS
 from tests.support import factory as f
 from tests.support.facts import output_events
@@ -223,4 +227,70 @@ def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path, capsys):
             f"\n[figures] two replicas, interval {interval:g} s: {len(answers)} /healthz"
             f" answers, all 200; cycles completed a/b {completed[0]}/{completed[1]},"
             f" skipped a/b {skipped[0]}/{skipped[1]}"
+        )
+
+
+class Blackhole:
+    """A TCP server that accepts connections and never answers (a database
+    whose host is gone behind a proxy that still accepts)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        try:
+            while True:
+                self.accepted.append(self.listener.accept()[0])
+        except OSError:  # closed
+            return
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept() up
+        self.listener.close()
+        self.thread.join(timeout=5)
+        for sock in self.accepted:
+            sock.close()
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Threads:")).split()[1])
+
+
+def test_healthz_answers_within_its_budget_when_the_database_never_answers(tmp_path, capsys):
+    budget = HEALTH.total_seconds()
+    hole = Blackhole()
+    port = free_port()
+    env = worker_env(port, 1) | {
+        "REAPER_DATABASE_URL": f"postgresql+psycopg2://reaper@127.0.0.1:{hole.port}/reaper"
+    }
+    worker = Worker(tmp_path, env, name="health-blackhole").start()
+    assert worker.proc is not None
+    took: list[float] = []
+    answers: list[tuple[int, dict[str, Any]]] = []
+    threads: list[int] = []
+    try:
+        for _ in range(6):
+            started = time.monotonic()
+            answers.append(healthz(port))
+            took.append(time.monotonic() - started)
+            threads.append(threads_of(worker.proc.pid))
+    finally:
+        hole.close()  # the hung connections fail now, and the worker can stop
+        worker.stop()
+    assert all(code in (200, 503) for code, _ in answers), answers
+    assert all(body["database"] == "unreachable" for _, body in answers)
+    assert all(body["last_run_completed_age_seconds"] is None for _, body in answers)
+    assert max(took) < budget + 1, took
+    # one read of the database in flight at a time, however many answers waited for it
+    assert max(threads) - min(threads) <= 1, threads
+    with capsys.disabled():
+        print(
+            f"\n[figures] database accepting and never answering: /healthz answered in"
+            f" {min(took):.2f}-{max(took):.2f}s (budget {budget:g}s), worker threads"
+            f" {min(threads)}-{max(threads)}"
         )
