@@ -136,3 +136,13 @@ def relay_pass(settings: Settings) -> Budget:
     """The relay lock's transaction idles for the whole pass."""
     idle = settings.relay_max_pass_duration + 6 * settings.kafka_timeout + timedelta(seconds=10)
     return Budget(idle=idle, statement=QUICK, peer=peer(settings))
+
+
+# /healthz's database read (the last completed run, the run lock's holder): a
+# probe (Docker's, a kubelet's) gives up after a few seconds, so the answer
+# never waits longer than this for the database, connecting included.
+HEALTH = timedelta(seconds=2)
+
+
+def health(settings: Settings) -> Budget:
+    return Budget(idle=HEALTH, statement=HEALTH, peer=peer(settings))

@@ -237,13 +237,16 @@ class StopSignalsSent:
 
 @dataclass(frozen=True, slots=True)
 class GaugesMeasured:
-    """What the database says now: the census behind active_backlog, the outbox."""
+    """What the database says now: the census behind active_backlog, the outbox,
+    the last completed run."""
 
     active_backlog: int
     outbox_pending: int
     outbox_oldest_pending_age_seconds: float
     outbox_parked: int
     paused: tuple[str, ...]  # the phases paused now
+    # when a run last completed, whichever replica ran it (None: never)
+    last_run_completed_at: datetime | None = None
 
 
 # -- the operator ---------------------------------------------------------------

@@ -94,16 +94,19 @@ def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
 
 
 def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
-    """active_backlog and the outbox gauges, as the database says now; None if it failed."""
+    """active_backlog, the outbox gauges and the last completed run, as the database
+    says now; None if it failed."""
     try:
         with transaction(engine, budgets.read(settings)) as queries:
             result = census(queries, settings, queries.database_clock())
             pending, oldest, parked = queries.outbox_pending_stats()
             paused = tuple(row.phase for row in queries.active_pauses())
+            last_run = queries.last_run_completed()
     except SQLAlchemyError as exc:
         log(logger, "metrics.refresh_failed", level=30, error=describe(exc))
         return None
-    return GaugesMeasured(result.backlog, pending, oldest, parked, paused)
+    completed_at = last_run.finished_at if last_run is not None else None
+    return GaugesMeasured(result.backlog, pending, oldest, parked, paused, completed_at)
 
 
 # -- reaper status -----------------------------------------------------------

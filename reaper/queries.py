@@ -445,3 +445,9 @@ class Queries:
 
     def tenant_policy_count(self) -> int:
         return int(_run(self.conn, "tenant_policy_count").scalar())
+
+    # -- health -------------------------------------------------------------------
+
+    def last_run_completed(self) -> Row | None:
+        """``finished_at`` and ``age_seconds`` of the last completed run, or None."""
+        return _run(self.conn, "last_run_completed").one_or_none()

@@ -1,27 +1,40 @@
 """``GET /healthz`` on the worker's metrics port (docs/design.md#operator-controls):
-200 while cycles complete, 503 once none has for three polling intervals. The
-case it exists for: the embedded beat dies and the worker lives on, quietly
-scheduling nothing."""
+200 while cycles complete, 503 once none has for three polling intervals (the
+embedded beat dies and the worker lives on, quietly scheduling nothing), or
+once no run has completed, by any replica, for four (a session that is not the
+reaper holds the run lock: every tick is skipped)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine, text
 
+from reaper.budgets import HEALTH
+from reaper.health import CLOSING_INTERVALS
+from tests.support import factory as f
+from tests.support.facts import output_events
 from tests.support.ports import free_port
 from tests.support.processes import CELERY, ROOT, Worker, children, wait_until
 
 pytestmark = pytest.mark.process
 
 KEYS = {"status", "last_cycle_age_seconds", "last_relay_age_seconds", "database"}
+CLOSING_KEYS = {"last_run_completed_age_seconds", "closing_limit_seconds", "lock_holder"}
+LOCK_KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
+GAUGE = "messenger_conf_reaper_last_run_completed_timestamp_seconds"
 
 
 def healthz(port: int) -> tuple[int, dict[str, Any]]:
@@ -32,6 +45,23 @@ def healthz(port: int) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
     except OSError:
         return 0, {}
+
+
+def gauge(port: int) -> float:
+    """The last-run-completed gauge as ``/metrics`` serves it."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        exposition = resp.read().decode()
+    match = re.search(rf"^{GAUGE} (\S+)$", exposition, re.MULTILINE)
+    assert match, f"{GAUGE} not served"
+    return float(match[1])
+
+
+def worker_env(port: int, interval: float) -> dict[str, str]:
+    return {
+        "REAPER_POLLING_INTERVAL": str(interval),
+        "REAPER_METRICS_PORT": str(port),
+        "REAPER_METRICS_ADDRESS": "127.0.0.1",
+    }
 
 
 def test_healthz_turns_503_when_the_embedded_beat_dies(engine, tmp_path):
@@ -77,3 +107,190 @@ def test_healthz_turns_503_when_the_embedded_beat_dies(engine, tmp_path):
     finally:
         worker.stop()
     print(f"\n[figures] /healthz 503 {took:.1f}s after the embedded beat died (interval 1 s)")
+
+
+def test_a_foreign_session_on_the_run_lock_turns_healthz_503_and_back(
+    engine, database_url, tmp_path, capsys
+):
+    interval = 2.0
+    limit = CLOSING_INTERVALS * interval
+    port = free_port()
+    worker = Worker(tmp_path, worker_env(port, interval), name="health-lock").start()
+    # Not the reaper: its own engine and application_name, as psql or a
+    # migration tool would be.
+    foreign = create_engine(
+        database_url,
+        isolation_level="AUTOCOMMIT",
+        connect_args={"application_name": "someone-else"},
+    )
+    conn = None
+    try:
+        wait_until(lambda: healthz(port)[1].get("last_run_completed_age_seconds") is not None,
+                   30, "a run completed")  # fmt: skip
+        code, body = healthz(port)
+        assert code == 200 and set(body) >= KEYS | CLOSING_KEYS
+        assert body["closing_limit_seconds"] == limit
+        assert body["last_run_completed_age_seconds"] < limit
+        assert body["lock_holder"] is None
+        wait_until(lambda: gauge(port) > 0, 15, "the gauge shows a completed run")
+
+        conn = foreign.connect()
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        conn.execute(text(f"SELECT pg_advisory_lock({LOCK_KEY})"))  # a session lock, idle
+        locked_at = time.monotonic()
+        wait_until(lambda: healthz(port)[0] == 503, limit + 20, "503 with the lock held")
+        to_503 = time.monotonic() - locked_at
+        code, body = healthz(port)
+        assert code == 503 and body["status"] == "unhealthy"
+        assert body["database"] == "reachable"
+        # ticks go on (skipped), so the worker itself is alive: only closings stopped
+        assert body["last_cycle_age_seconds"] is not None
+        assert body["last_cycle_age_seconds"] <= body["limit_seconds"]
+        assert body["last_run_completed_age_seconds"] > limit
+        assert body["lock_holder"]["pid"] == pid
+        assert body["lock_holder"]["application_name"] == "someone-else"
+        assert to_503 <= limit + 10, to_503
+
+        # The gauge stays at the last completion while the ticks are skipped:
+        # its age (what ConferenceReaperNotClosing computes) keeps growing.
+        first, first_at = gauge(port), time.time()
+        time.sleep(interval * 3)  # past the scrape refresh's 5 s, ticks skipped meanwhile
+        second, second_at = gauge(port), time.time()
+        assert second == first > 0
+        assert second_at - second > first_at - first > limit
+
+        conn.execute(text(f"SELECT pg_advisory_unlock({LOCK_KEY})"))
+        released_at = time.monotonic()
+        wait_until(lambda: healthz(port)[0] == 200, 2 * interval + 20, "200 once released")
+        to_200 = time.monotonic() - released_at
+        code, body = healthz(port)
+        assert body["last_run_completed_age_seconds"] < limit and body["lock_holder"] is None
+        wait_until(lambda: gauge(port) > second, 15, "the gauge moves on")
+        assert to_200 <= 2 * interval + 10, to_200
+    finally:
+        if conn is not None:
+            conn.close()
+        foreign.dispose()
+        worker.stop()
+    skipped = output_events(worker.output(), "cycle.skipped")
+    assert any(e.get("holder_pid") == pid for e in skipped)
+    with capsys.disabled():
+        print(
+            f"\n[figures] foreign session on the run lock (interval {interval:g} s, limit"
+            f" {CLOSING_INTERVALS} intervals): /healthz 503 {to_503:.1f}s after the lock was"
+            f" taken, 200 {to_200:.1f}s after it was released"
+        )
+
+
+def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path, capsys):
+    """Two workers on one database and broker: one runs a cycle while the
+    other's ticks find the run taken and are skipped. Neither is unhealthy."""
+    interval = 2.0
+    # A backlog drained one room per batch makes every run last its whole
+    # budget (2 s): most ticks of both workers land inside a run and are skipped.
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, 10_000, as_of=f.db_now(engine))
+    slow_runs = {"REAPER_BATCH_SIZE": "1", "REAPER_DRAIN_LANES": "1",
+                 "REAPER_MAX_RUN_DURATION": "2"}  # fmt: skip
+    ports = [free_port(), free_port()]
+    workers = [
+        Worker(tmp_path, worker_env(port, interval) | slow_runs, name=f"health-replica-{x}")
+        for port, x in zip(ports, "ab", strict=True)
+    ]
+    answers: list[tuple[int, dict[str, Any]]] = []
+    try:
+        for worker in workers:
+            worker.start()
+        for port in ports:
+            wait_until(lambda p=port: healthz(p)[1].get("last_run_completed_age_seconds")
+                       is not None, 30, "a run completed")  # fmt: skip
+        # three times the closing limit: long enough for it to trip if skipped
+        # ticks counted against a replica
+        end = time.monotonic() + 3 * CLOSING_INTERVALS * interval
+        while time.monotonic() < end:
+            answers += [healthz(port) for port in ports]
+            time.sleep(0.2)
+    finally:
+        logs = [w.output() for w in workers]
+        for worker in workers:
+            worker.stop()
+    unhealthy = [answer for answer in answers if answer[0] != 200]
+    assert answers and not unhealthy, unhealthy[:3]
+    assert all(b["last_run_completed_age_seconds"] < b["closing_limit_seconds"]
+               for _, b in answers)  # fmt: skip
+    skipped = [len(output_events(log, "cycle.skipped")) for log in logs]
+    completed = [len(output_events(log, "cycle.completed")) for log in logs]
+    # both replicas were the skipping one at times, or the test proves nothing
+    assert all(skipped) and sum(completed) > 0, (skipped, completed)
+    with capsys.disabled():
+        print(
+            f"\n[figures] two replicas, interval {interval:g} s: {len(answers)} /healthz"
+            f" answers, all 200; cycles completed a/b {completed[0]}/{completed[1]},"
+            f" skipped a/b {skipped[0]}/{skipped[1]}"
+        )
+
+
+class Blackhole:
+    """A TCP server that accepts connections and never answers (a database
+    whose host is gone behind a proxy that still accepts)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        try:
+            while True:
+                self.accepted.append(self.listener.accept()[0])
+        except OSError:  # closed
+            return
+
+    def close(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes accept() up
+        self.listener.close()
+        self.thread.join(timeout=5)
+        for sock in self.accepted:
+            sock.close()
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Threads:")).split()[1])
+
+
+def test_healthz_answers_within_its_budget_when_the_database_never_answers(tmp_path, capsys):
+    budget = HEALTH.total_seconds()
+    hole = Blackhole()
+    port = free_port()
+    env = worker_env(port, 1) | {
+        "REAPER_DATABASE_URL": f"postgresql+psycopg2://reaper@127.0.0.1:{hole.port}/reaper"
+    }
+    worker = Worker(tmp_path, env, name="health-blackhole").start()
+    assert worker.proc is not None
+    took: list[float] = []
+    answers: list[tuple[int, dict[str, Any]]] = []
+    threads: list[int] = []
+    try:
+        for _ in range(6):
+            started = time.monotonic()
+            answers.append(healthz(port))
+            took.append(time.monotonic() - started)
+            threads.append(threads_of(worker.proc.pid))
+    finally:
+        hole.close()  # the hung connections fail now, and the worker can stop
+        worker.stop()
+    assert all(code in (200, 503) for code, _ in answers), answers
+    assert all(body["database"] == "unreachable" for _, body in answers)
+    assert all(body["last_run_completed_age_seconds"] is None for _, body in answers)
+    assert max(took) < budget + 1, took
+    # one read of the database in flight at a time, however many answers waited for it
+    assert max(threads) - min(threads) <= 1, threads
+    with capsys.disabled():
+        print(
+            f"\n[figures] database accepting and never answering: /healthz answered in"
+            f" {min(took):.2f}-{max(took):.2f}s (budget {budget:g}s), worker threads"
+            f" {min(threads)}-{max(threads)}"
+        )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import create_engine, text
+from sqlalchemy import Connection, create_engine, text
 
 from reaper import metrics
 from reaper.cycle import Reaper
@@ -161,6 +161,45 @@ def test_relay_functions_and_gauges(settings, engine):
     assert value("messenger_conf_reaper_active_backlog") == 0
     assert value("messenger_outbox_pending") == 1
     assert 89 < value("messenger_outbox_oldest_pending_age_seconds") < 600
+
+
+LAST_RUN = "messenger_conf_reaper_last_run_completed_timestamp_seconds"
+
+
+def add_run(conn: Connection, run_id: str, finished_ago_s: float, outcome: str) -> None:
+    conn.execute(
+        text(
+            "INSERT INTO messenger.reaper_runs (run_id, as_of, started_at, deadline,"
+            " lease_expires_at, owner, finished_at, outcome)"
+            " VALUES (:run_id, now(), now(), now(), now(), 'another-host:1',"
+            " now() - make_interval(secs => :ago), :outcome)"
+        ),
+        {"run_id": run_id, "ago": finished_ago_s, "outcome": outcome},
+    )
+
+
+def test_the_last_completed_run_is_measured_whoever_ran_it(settings, engine):
+    with engine.begin() as conn:
+        add_run(conn, "done-by-a-replica", 100, "completed")
+        add_run(conn, "failed-later", 10, "failed")
+        add_run(conn, "taken-over-later", 5, "taken_over")
+        completed_at = conn.execute(
+            text("SELECT finished_at FROM messenger.reaper_runs WHERE run_id = 'done-by-a-replica'")
+        ).scalar_one()
+    Gauges(engine, settings, process_bus).refresh()
+    # failed and taken-over runs closed nothing to the end: only completed ones count
+    assert value(LAST_RUN) == completed_at.timestamp()
+
+    # a cycle that is skipped (the lock held elsewhere) leaves it where it is
+    with engine.connect() as holder_conn, holder_conn.begin():
+        holder_conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended("
+                                 "'messenger.conference-room-reaper', 0))"))  # fmt: skip
+        assert Reaper(settings, engine=engine).run_cycle(T0)["skipped"] is True
+    assert value(LAST_RUN) == completed_at.timestamp()
+
+    # a cycle that completes moves it (measured after every cycle)
+    Reaper(settings, engine=engine).run_cycle()
+    assert 0 <= time.time() - value(LAST_RUN) < 5
 
 
 def test_every_contract_metric_is_exported():

@@ -16,6 +16,7 @@ import yaml
 from reaper import metrics
 from reaper.cli import build_parser
 from reaper.config import ENV_PREFIX, Settings, load_settings
+from reaper.health import CLOSING_INTERVALS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = ROOT / "ops" / "prometheus"
@@ -79,6 +80,7 @@ def test_alert_rules_cover_the_spec_and_read_only_exported_metrics():
     alerts = {r["alert"]: r for group in rules["groups"] for r in group["rules"]}
     assert {
         "ConferenceReaperNotRunning",  # no growth of run_total over two intervals
+        "ConferenceReaperNotClosing",  # no run completed (any worker) for four intervals
         "ConferenceReaperBacklogHigh",  # active_backlog > 20 for 2 min
         "ConferenceProvisionFailuresRising",
         "ConferenceReaperErrors",
@@ -86,6 +88,8 @@ def test_alert_rules_cover_the_spec_and_read_only_exported_metrics():
     } <= set(alerts)
     assert alerts["ConferenceReaperBacklogHigh"]["for"] == "2m"
     assert "> 20" in alerts["ConferenceReaperBacklogHigh"]["expr"]
+    # the same count of intervals as /healthz (windows assume 30 s)
+    assert f"> {CLOSING_INTERVALS * 30}\n" in alerts["ConferenceReaperNotClosing"]["expr"]
     exported = exported_series()
     for name, rule in alerts.items():
         used = metric_names(rule["expr"])

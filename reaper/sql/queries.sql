@@ -992,3 +992,14 @@ ORDER BY tenant_id;
 -- name: tenant_policy_count
 -- reaper status.
 SELECT count(*) FROM messenger.reaper_tenant_policies;
+
+-- name: last_run_completed
+-- When a run last completed, whichever replica ran it (the database's clock):
+-- /healthz and messenger_conf_reaper_last_run_completed_timestamp_seconds.
+-- Skipped ticks leave no row, failed and taken-over runs do not count; read
+-- backwards along ix_reaper_runs_finished.
+SELECT finished_at, extract(epoch FROM clock_timestamp() - finished_at) AS age_seconds
+FROM messenger.reaper_runs
+WHERE finished_at IS NOT NULL AND outcome = 'completed'
+ORDER BY finished_at DESC
+LIMIT 1;
