@@ -142,7 +142,7 @@ def test_a_publish_to_a_silent_broker_gives_up_within_its_timeout():
     # A new connection's start waits on a few replies (its health-check PING, the
     # handshake; three with redis-py 8.1), each within the timeout: a bounded
     # multiple of it, never for ever.
-    assert waited < 4 * 2, waited
+    assert waited < 4 * 2 + 2, waited
 
 
 # -- process: the CLI against a server that accepts and never answers -----------------

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -122,13 +123,8 @@ class Proxy:
         self._spawn(self._accept, "accept")
         return self
 
-    def _spawn(self, target: object, what: str, *args: object) -> None:
-        thread = threading.Thread(
-            target=target,  # type: ignore[arg-type]
-            args=args,
-            name=f"{self.tag}-{what}",
-            daemon=True,
-        )
+    def _spawn(self, target: Callable[..., None], what: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"{self.tag}-{what}", daemon=True)
         self._threads.append(thread)
         thread.start()
 
@@ -178,12 +174,19 @@ class Proxy:
     def cut(self) -> int:
         """Drop every packet of the connections open now, on both legs; new
         connections still pass. Returns how many connections were cut."""
-        links = [link for link in self.open_links() if not link.cut]
-        for link in links:
-            for sport, dport in link.port_pairs():
+        cut = 0
+        for link in self.open_links():
+            if link.cut:
+                continue
+            try:
+                pairs = link.port_pairs()
+            except OSError:  # it closed meanwhile: nothing left to cut
+                continue
+            for sport, dport in pairs:
                 _iptables("-I", *self._rule(sport, dport))
             link.cut = True
-        return len(links)
+            cut += 1
+        return cut
 
     def _rule(self, sport: int, dport: int) -> list[str]:
         return [
