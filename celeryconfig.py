@@ -7,6 +7,7 @@ with one line naming the variable.
 from kombu import Queue
 
 from reaper.broker import install as install_broker_transport
+from reaper.broker import transport_options
 from reaper.config import get_settings
 
 _settings = get_settings()
@@ -29,6 +30,9 @@ broker_connection_retry_on_startup = True
 broker_transport_options = {
     # Above queue wait + the longest time limit; a redelivered reap is harmless.
     "visibility_timeout": 3600,
+    # Connect and socket timeouts, keepalive, health checks: a silent Redis
+    # never holds the worker, its beat or a task's send (reaper/broker.py).
+    **transport_options(_settings),
     **({"global_keyprefix": _settings.broker_key_prefix} if _settings.broker_key_prefix else {}),
 }
 

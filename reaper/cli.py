@@ -30,10 +30,12 @@ def _settings() -> Settings:
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
+    from reaper import budgets
     from reaper.db import migrate
 
     try:
-        migrate(settings.database_url, args.revision)
+        # bounded like every connection of the reaper (REAPER_DATABASE_*_TIMEOUT)
+        migrate(settings.database_url, args.revision, peer=budgets.peer(settings))
     except SQLAlchemyError as exc:  # e.g. run as a login that is not the schema owner
         return _database_failed(settings, exc)
     print(f"schema at {args.revision}")
@@ -56,8 +58,19 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         # finish the batch in flight, then stop: never leave one half-done
         signal.signal(signum, lambda *_: stop.set())
-    from reaper import tracing
+    from sqlalchemy.exc import SQLAlchemyError
 
+    from reaper import tracing
+    from reaper.db import engine_of
+
+    try:
+        # A database that cannot be reached is one line and exit 1, as for every
+        # other command, within REAPER_DATABASE_CONNECT_TIMEOUT: not a failed
+        # cycle's log lines after one connect timeout per part that tries.
+        with engine_of(settings).connect():
+            pass
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
     tracing.configure()  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else off
     reaper = Reaper(settings, stop_event=stop, allow_mass_closure=args.allow_mass_closure)
     finished: list[CycleFinished] = []

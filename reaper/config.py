@@ -115,6 +115,17 @@ class Settings(BaseSettings):
     # Prefixes every Redis key of the broker: lets several deployments (or test
     # sessions) share one Redis without seeing each other's queues.
     broker_key_prefix: str = Field("", pattern=r"^[A-Za-z0-9._:{}-]{0,128}$")
+    # A Redis server that has not accepted a connection within this is given up
+    # (redis-py socket_connect_timeout), by the worker, its beat and every sender.
+    broker_connect_timeout: Duration = timedelta(seconds=5)
+    # A Redis connection that has not answered a command, or acknowledged what
+    # was sent, for this long is given up (socket_timeout, TCP_USER_TIMEOUT and
+    # keepalive probes): a publish never waits for ever on a dead connection.
+    broker_tcp_timeout: Duration = timedelta(seconds=10)
+    # How often an idle Redis connection is checked before use, and how often
+    # the worker checks its consuming connections (kombu/redis-py
+    # health_check_interval): a dead consumer is replaced within about twice this.
+    broker_health_check_interval: Duration = timedelta(seconds=10)
     kafka_bootstrap_servers: Annotated[str, AfterValidator(_bootstrap)] = "127.0.0.1:9092"
     # Kafka's own rule for topic names.
     conference_ended_topic: str = Field(
@@ -224,12 +235,24 @@ class Settings(BaseSettings):
                 "REAPER_RUN_LEASE: must be below REAPER_LOCK_TTL "
                 f"({self.run_lease} >= {self.lock_ttl})"
             )
-        for name in ("database_connect_timeout", "database_tcp_timeout"):
+        for name in (
+            "database_connect_timeout",
+            "database_tcp_timeout",
+            "broker_connect_timeout",
+            "broker_health_check_interval",
+        ):
             value: timedelta = getattr(self, name)
             if not 1 <= value.total_seconds() <= 600:
                 raise ValueError(
                     f"REAPER_{name.upper()}: must be between 1 s and 10 min (got {value})"
                 )
+        # Above the consumer's BRPOP wait (kombu's, one second): a live Redis
+        # legitimately takes that long to answer it.
+        if not 2 <= self.broker_tcp_timeout.total_seconds() <= 600:
+            raise ValueError(
+                "REAPER_BROKER_TCP_TIMEOUT: must be between 2 s and 10 min "
+                f"(got {self.broker_tcp_timeout})"
+            )
         return self
 
 

@@ -175,11 +175,17 @@ def dispose_engines(close: bool = True) -> None:
         _engines.clear()
 
 
-def alembic_config(url: str) -> Config:
+def alembic_config(url: str, peer: Peer | None = None) -> Config:
+    """Alembic's configuration for ``url``; ``peer`` bounds its connection as
+    engine_for bounds the reaper's (libpq parameters in the URL, which the
+    migrations' environment connects with)."""
     # Alembic is imported here, not at the top: a reap cycle never needs it and
     # it is a tenth of a second of every `reaper reap --once` start.
     from alembic.config import Config
 
+    if peer is not None:
+        bounded = make_url(url).update_query_dict({k: str(v) for k, v in peer.libpq().items()})
+        url = bounded.render_as_string(hide_password=False)
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     # ConfigParser interpolation: a literal % in a password must be doubled.
@@ -187,10 +193,15 @@ def alembic_config(url: str) -> Config:
     return config
 
 
-def ensure_database(url: str) -> bool:
-    """Create the URL's database when it does not exist; True if it was created."""
+def ensure_database(url: str, peer: Peer | None = None) -> bool:
+    """Create the URL's database when it does not exist; True if it was created.
+    ``peer`` bounds the connection (libpq), as for engine_for."""
     target = make_url(url)
-    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    admin = create_engine(
+        target.set(database="postgres"),
+        isolation_level="AUTOCOMMIT",
+        connect_args=peer.libpq() if peer is not None else {},
+    )
     try:
         with admin.connect() as conn:
             exists = conn.execute(
@@ -205,11 +216,13 @@ def ensure_database(url: str) -> bool:
         admin.dispose()
 
 
-def migrate(url: str, revision: str = "head") -> None:
+def migrate(url: str, revision: str = "head", *, peer: Peer | None = None) -> None:
+    """Create the database if needed and upgrade it; ``peer`` bounds both
+    connections (``reaper migrate`` passes the settings' bounds)."""
     from alembic import command
 
-    ensure_database(url)
-    command.upgrade(alembic_config(url), revision)
+    ensure_database(url, peer)
+    command.upgrade(alembic_config(url, peer), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
