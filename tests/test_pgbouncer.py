@@ -133,9 +133,9 @@ def every_server_connection(bouncer: PgBouncer) -> dict[int, tuple[str, ...]]:
 # -- the whole cycle, a worker, the relay, the CLI ----------------------------
 
 
-def test_reap_once_through_pgbouncer_closes_every_phase(pgbouncer, engine):
+def reap_once_closes_every_phase(bouncer: PgBouncer, engine: Engine) -> None:
     expected = seed_every_phase(engine, f.db_now(engine))
-    done = run_cli("reap", "--once", "--json", env=through(pgbouncer))
+    done = run_cli("reap", "--once", "--json", env=through(bouncer))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert (
@@ -152,6 +152,18 @@ def test_reap_once_through_pgbouncer_closes_every_phase(pgbouncer, engine):
         correlations = {r["payload"]["correlationId"] for r in f.outbox(conn)}
     assert correlations == {result["run_id"]}
     assert output_events(done.stderr, "lock.lost") == []
+
+
+def test_reap_once_through_pgbouncer_closes_every_phase(pgbouncer, engine):
+    reap_once_closes_every_phase(pgbouncer, engine)
+
+
+@pytest.mark.process
+def test_reap_once_through_pgbouncer_in_session_mode_closes_every_phase(database_url, engine):
+    with PgBouncer(database_url, mode="session") as bouncer:
+        config = {row["key"]: row["value"] for row in bouncer.admin("SHOW CONFIG")}
+        assert config["pool_mode"] == "session"
+        reap_once_closes_every_phase(bouncer, engine)
 
 
 def test_a_worker_through_pgbouncer_reaps_across_cycles_and_relays_to_kafka(

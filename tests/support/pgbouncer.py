@@ -1,4 +1,4 @@
-"""A private PgBouncer in transaction pooling mode, in front of the session's
+"""A private PgBouncer in transaction pooling mode (or session mode), in front of the session's
 test database (docs/design.md#behind-pgbouncer).
 
 Its own configuration, auth file, log and pid file live in a temporary
@@ -38,11 +38,12 @@ class PgBouncer:
     """``PgBouncer(database_url, pool_size=4).start()``; ``url`` is the same
     database through PgBouncer; ``stop()`` ends it (idempotent)."""
 
-    def __init__(self, database_url: str, *, pool_size: int = 8) -> None:
+    def __init__(self, database_url: str, *, pool_size: int = 8, mode: str = "transaction") -> None:
         if PGBOUNCER is None:
             raise RuntimeError("pgbouncer is not installed (scripts/setup installs it)")
         self.target = make_url(database_url)
         self.pool_size = pool_size
+        self.mode = mode  # pool_mode: transaction, or session
         self.port = free_port()
         self.root = Path(tempfile.mkdtemp(prefix="reaper-pgbouncer-"))
         self.log_path = self.root / "pgbouncer.log"
@@ -71,7 +72,7 @@ unix_socket_dir =
 auth_type = trust
 auth_file = {self.root / "userlist.txt"}
 admin_users = {user}
-pool_mode = transaction
+pool_mode = {self.mode}
 default_pool_size = {self.pool_size}
 max_client_conn = 200
 logfile = {self.log_path}
