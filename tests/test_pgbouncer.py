@@ -39,14 +39,11 @@ BUDGET_SETTINGS = (
 READ_SETTINGS = "SELECT pg_backend_pid(), " + ", ".join(
     f"current_setting('{name}')" for name in BUDGET_SETTINGS
 )
-# No closing: phases, the relay and the CLI talk to the session's database
-# through PgBouncer only, and a Kafka broker only where a test gives one.
-NO_KAFKA = {"REAPER_KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
 
 
 def through(bouncer: PgBouncer, **env: str) -> dict[str, str]:
     """The environment of a reaper process whose database is behind ``bouncer``."""
-    return {"REAPER_DATABASE_URL": bouncer.url, **NO_KAFKA, **env}
+    return {"REAPER_DATABASE_URL": bouncer.url, **env}
 
 
 def statuses(engine: Engine) -> dict[str, tuple[str, str | None]]:
@@ -354,7 +351,7 @@ def drain_through(
     with engine.begin() as conn:
         conn.execute(text("TRUNCATE messenger.conference_sessions, messenger.reaper_runs CASCADE"))
         f.bulk_conferences(conn, rooms, as_of=f.db_now(engine), idle=timedelta(minutes=5))
-    env = {"REAPER_DATABASE_URL": bouncer.url if bouncer else database_url, **NO_KAFKA,
+    env = {"REAPER_DATABASE_URL": bouncer.url if bouncer else database_url,
            "REAPER_BATCH_SIZE": "20", "REAPER_DRAIN_LANES": str(lanes),
            "REAPER_MAX_RUN_DURATION": "90", "REAPER_LOCK_TTL": "180"}  # fmt: skip
     done = run_cli("reap", "--once", "--json", env=env, timeout=120)

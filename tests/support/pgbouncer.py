@@ -1,5 +1,5 @@
-"""A private PgBouncer in transaction pooling mode (or session mode), in front of the session's
-test database (docs/design.md#behind-pgbouncer).
+"""A private PgBouncer in transaction pooling mode (or session mode), in front
+of the session's test database (docs/design.md#behind-pgbouncer).
 
 Its own configuration, auth file, log and pid file live in a temporary
 directory; it listens on 127.0.0.1 at a free port and is always stopped by its
