@@ -9,10 +9,14 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
+
+if TYPE_CHECKING:
+    from tests.support.pgbouncer import PgBouncer
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -139,6 +143,20 @@ def kafka_broker(services: None) -> Iterator[str]:
         broker.stop()
 
 
+@pytest.fixture(scope="session")
+def pgbouncer(database_url: str) -> Iterator[PgBouncer]:
+    """A PgBouncer in transaction pooling mode in front of the session's database
+    (docs/design.md#behind-pgbouncer); a test that needs another pool size
+    starts its own."""
+    from tests.support.pgbouncer import PgBouncer
+
+    bouncer = PgBouncer(database_url).start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
 # -- test layers (README "Test it") ---------------------------------------------
 # The fast layer is every test not marked ``process`` (nor ``soak``): pure
 # functions, config, formatting and the SQL statements against the session
@@ -147,7 +165,7 @@ def kafka_broker(services: None) -> Iterator[str]:
 # fast layer alone; a fast test that starts a process fails (below), so the
 # layer stays fast by construction.
 
-PROCESS_FIXTURES = {"kafka_broker"}
+PROCESS_FIXTURES = {"kafka_broker", "pgbouncer"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
