@@ -6,6 +6,7 @@ with one line naming the variable.
 
 from kombu import Queue
 
+from reaper import budgets
 from reaper.broker import install as install_broker_transport
 from reaper.broker import transport_options
 from reaper.config import get_settings
@@ -14,6 +15,12 @@ _settings = get_settings()
 _interval = _settings.polling_interval.total_seconds()
 _lock_ttl = _settings.lock_ttl.total_seconds()
 _relay_interval = _settings.relay_interval.total_seconds()
+# A stop pass sends for budgets.stop_pass, then marks what it sent; the limits
+# bound one stuck on its database.
+_stop_soft_limit = budgets.stop_pass_lock(_settings).idle.total_seconds() + 10
+# Retries of stop signals not taken: the first back-off is 5 recorder timeouts,
+# so ticking about that often sends each when it is due.
+_stop_interval = max(5.0, 5 * _settings.recorder_timeout.total_seconds())
 # A relay pass stops claiming at relay_max_pass_duration; the two batches in
 # flight then settle within a few Kafka timeouts (rounds, metadata, acks).
 _relay_soft_limit = (
@@ -56,16 +63,19 @@ timezone = "UTC"
 enable_utc = True
 
 task_default_queue = "reaper"
-# The relay has its own queue so a Kafka outage never queues up in front of a
-# reap cycle; `celery -A reaper worker` consumes both (task_queues).
+# The relay and the recorder stop signals have their own queues so a Kafka or
+# recorder outage never queues up in front of a reap cycle; `celery -A reaper
+# worker` consumes all three (task_queues).
 task_queues = (
     Queue("reaper", routing_key="reaper"),
     Queue("reaper.relay", routing_key="reaper.relay"),
+    Queue("reaper.recorder", routing_key="reaper.recorder"),
 )
 task_routes = {
     "reaper.reap": {"queue": "reaper"},
     "reaper.reap_phase": {"queue": "reaper"},
     "reaper.relay_outbox": {"queue": "reaper.relay"},
+    "reaper.stop_recordings": {"queue": "reaper.recorder"},
 }
 
 task_annotations = {
@@ -76,6 +86,10 @@ task_annotations = {
     "reaper.relay_outbox": {
         "soft_time_limit": _relay_soft_limit,
         "time_limit": _relay_soft_limit + 15,
+    },
+    "reaper.stop_recordings": {
+        "soft_time_limit": _stop_soft_limit,
+        "time_limit": _stop_soft_limit + 15,
     },
 }
 
@@ -92,3 +106,9 @@ beat_schedule = {
         "options": {"expires": max(1.0, _relay_interval * 0.9)},
     },
 }
+if _settings.recorder_url:
+    beat_schedule["stop-recordings"] = {
+        "task": "reaper.stop_recordings",
+        "schedule": _stop_interval,
+        "options": {"expires": max(1.0, _stop_interval * 0.9)},
+    }

@@ -138,6 +138,23 @@ def relay_pass(settings: Settings) -> Budget:
     return Budget(idle=idle, statement=QUICK, peer=peer(settings))
 
 
+# A stop-signal pass (reaper/recorder.py) claims signals while a whole recorder
+# timeout is left of this many: a few calls' worth, so a pass, and `reaper reap
+# --once` after its cycle, ends within seconds whatever the recorder does, and
+# never holds a worker slot long. Signals left over are due to the next pass.
+STOP_PASS_TIMEOUTS = 3
+
+
+def stop_pass(settings: Settings) -> timedelta:
+    """How long a stop-signal pass sends: every call ends by then."""
+    return STOP_PASS_TIMEOUTS * settings.recorder_timeout
+
+
+def stop_pass_lock(settings: Settings) -> Budget:
+    """The stop lock's transaction idles for the whole pass and its last marks."""
+    return Budget(idle=stop_pass(settings) + 3 * QUICK, statement=QUICK, peer=peer(settings))
+
+
 # /healthz's database read (the last completed run, the run lock's holder): a
 # probe (Docker's, a kubelet's) gives up after a few seconds, so the answer
 # never waits longer than this for the database, connecting included.

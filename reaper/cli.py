@@ -83,7 +83,13 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         tracing.shutdown()  # flush
         reaper.bus.unsubscribe(CycleFinished, finished.append)
-    if not settings.recorder_url:
+    if settings.recorder_url:
+        from reaper.recorder import StopPass
+
+        # The stop signals of the rooms this cycle closed (and any other due),
+        # by the code of the reaper.stop_recordings task: within budgets.stop_pass.
+        StopPass(settings, bus=reaper.bus, stop_event=stop).run()
+    else:
         logs.log(
             logs.get_logger("cli"),
             "recorder.disabled",

@@ -83,8 +83,10 @@ def _bounded_ping(conn: Connection) -> None:
 
 def connections_needed(settings: Settings) -> int:
     """What a process holds at once at the most: a phase's lock session and its
-    lanes, plus one for whatever runs beside them (the stop signals' marks, a
-    gauge refresh, /healthz)."""
+    lanes, plus one for whatever runs beside them (a gauge refresh, /healthz).
+    A stop-signal pass holds two (its lock's and its claims'), never beside a
+    phase: it is a task of its own (a worker child runs one task at a time)
+    and `reaper reap --once` runs it after the cycle."""
     return 1 + settings.drain_lanes + 1
 
 

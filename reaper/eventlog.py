@@ -32,11 +32,13 @@ from reaper.events import (
     PolicyUnset,
     RelayPassCompleted,
     Resumed,
+    StopPassCompleted,
 )
 from reaper.logs import get_logger, log
 
 logger = get_logger("cycle")
 relay_logger = get_logger("relay")
+recorder_logger = get_logger("recorder")
 
 # A worker and its database further apart than this are worth a line (the
 # comparisons use the database's clock; see docs/design.md#time).
@@ -67,6 +69,7 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(OutboxRequeued, outbox_requeued)
     bus.subscribe(PolicySet, policy_set)
     bus.subscribe(PolicyUnset, policy_unset)
+    bus.subscribe(StopPassCompleted, stop_pass)
 
 
 def cycle_started(fact: CycleStarted) -> None:
@@ -317,3 +320,23 @@ def policy_unset(fact: PolicyUnset) -> None:
         stale_live_timeout_seconds=_seconds(fact.stale_live_timeout),
         unset_by=fact.unset_by,
     )
+
+
+def stop_pass(fact: StopPassCompleted) -> None:
+    if fact.skipped:
+        log(recorder_logger, "recorder.pass_skipped", reason="another stop pass is running")
+        return
+    # a pass that found nothing due is the common case: not worth a line at INFO
+    level = logging.INFO if fact.requested or fact.unsent else logging.DEBUG
+    log(
+        recorder_logger,
+        "recorder.pass_completed",
+        level=level,
+        requested=fact.requested,
+        taken=fact.taken,
+        failed=fact.failed,
+        unsent=fact.unsent,
+        duration_ms=fact.duration_ms,
+    )
+    if fact.retried:
+        log(recorder_logger, "recorder.retried", due=fact.retried, taken=fact.retried_taken)

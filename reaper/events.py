@@ -3,8 +3,8 @@
 The engine (:mod:`reaper.cycle`, :mod:`reaper.relay`) says what happened, as
 plain frozen facts, once the database has committed it: a conference reaped, a
 batch committed, a phase completed, a cycle finished, a relay pass completed.
-Logs, Prometheus, OpenTelemetry, the database gauges and the recorder stop
-signal are subscribers, connected in one place when a process sets itself up
+Logs, Prometheus, OpenTelemetry and the database gauges are subscribers,
+connected in one place when a process sets itself up
 (:mod:`reaper.wiring`), the way Oban attaches telemetry handlers. The engine
 imports none of them; a test subscribes a recorder of facts.
 
@@ -169,7 +169,9 @@ class BatchCommitted:
     reaped: tuple[ConferenceReaped, ...]
     rejected: tuple[ConferenceRejected, ...]
     locked: int  # rows a command held (SKIP LOCKED) as this batch saw them
-    stops: tuple[Any, ...]  # reaper.recorder.StopRequest of the reaped rooms
+    # reaper.recorder.StopRequest: the running recordings of the reaped rooms, now
+    # due to the stop task (the state is in the database; nothing here sends them)
+    stops: tuple[Any, ...]
     started_ns: int  # wall clock, for spans
     ended_ns: int
 
@@ -229,6 +231,23 @@ class LockLost:
 class StopSignalsSent:
     requested: int
     taken: int
+
+    @property
+    def failed(self) -> int:
+        return self.requested - self.taken
+
+
+@dataclass(frozen=True, slots=True)
+class StopPassCompleted:
+    """A stop-signal pass (reaper/recorder.py) ended: what it sent and what is left."""
+
+    requested: int  # signals sent
+    taken: int  # of which the recorder took
+    unsent: int  # claimed, not started before the pass's deadline: due again at once
+    retried: int  # signals sent that had been sent before
+    retried_taken: int
+    skipped: bool  # another pass was running
+    duration_ms: int
 
     @property
     def failed(self) -> int:

@@ -273,16 +273,16 @@ class Queries:
             backoff_max_s=backoff_max_s,
         ).rowcount
 
-    def stops_due(self, *, window_s: float, first_after_s: float, limit: int) -> list[Row]:
+    def claim_stops_due(self, *, window_s: float, lease_s: float, limit: int) -> list[Row]:
         return list(
-            _run(
-                self.conn,
-                "stops_due",
-                window_s=window_s,
-                first_after_s=first_after_s,
-                limit=limit,
-            )
+            _run(self.conn, "claim_stops_due", window_s=window_s, lease_s=lease_s, limit=limit)
         )
+
+    def release_stops(self, recording_ids: list[str]) -> int:
+        return _run(self.conn, "release_stops", recording_ids=recording_ids).rowcount
+
+    def try_stop_lock(self) -> bool:
+        return bool(_run(self.conn, "try_stop_lock").scalar())
 
     # -- the outbox relay ----------------------------------------------------
 

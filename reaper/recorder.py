@@ -1,45 +1,59 @@
-"""The best-effort stop signal to the media stack's recorder.
+"""The best-effort stop signal to the media stack's recorder, on its own task.
 
 See docs/design.md#the-recorder-stop-signal.
 
-:class:`RecorderClient` sends ``POST {REAPER_RECORDER_URL}/recordings/{id}/stop``
-and never raises: whatever the recorder does (refuses, times out, answers
-garbage, resets, redirects, sends a huge body, fails TLS) is a stop signal not
-taken, logged and counted. It bounds its own time: each call has the recorder
-timeout, the calls of a batch run side by side, and the whole batch's signals
-get at most two timeouts (a black-holed recorder must not hold the phase for
-batch/parallelism x timeout).
+A room the reaper closes with a recording still running leaves durable state,
+written by the phase's own statement: the room ``Ended``/``Failed`` with the
+reaper's ``end_reason``, the recording ``Pending``/``Recording``/``Uploading``
+and ``stop_requested_at`` null. That state is the queue. :class:`StopPass`
+(the ``reaper.stop_recordings`` task, and ``reaper reap --once`` after its
+cycle) claims the due signals, sends them and marks what the recorder took.
+Nothing of it runs on a drain lane or on the drain's reporting thread.
 
-:class:`StopSignal` is the subscriber that sends them once a batch has
-committed; a signal never undoes or holds a transition.
+:class:`RecorderClient` sends ``POST {REAPER_RECORDER_URL}/recordings/{id}/stop``
+and never raises: whatever the recorder does (refuses, times out, trickles,
+answers garbage, resets, redirects, sends a huge body, fails TLS) is a stop
+signal not taken, logged and counted. Each call has an overall deadline, not a
+per-read timeout: every socket operation is given only what is left of it, so
+a recorder that sends one byte at a time cannot stretch a call.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from datetime import timedelta
-from urllib.parse import quote
+import re
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from typing import Literal
+from urllib.parse import quote, urlsplit
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from reaper.budgets import Budget
-from reaper.db import transaction
+from reaper import budgets
+from reaper.config import Settings
+from reaper.db import begin, engine_of, transaction
 from reaper.errors import describe
-from reaper.events import BatchCommitted, Bus, CycleFinished, StopSignalsSent
+from reaper.events import Bus, StopPassCompleted, StopSignalsSent, process_bus
 from reaper.logs import get_logger, log
 
 logger = get_logger("recorder")
 
 DONE_STATUSES = frozenset({404, 409})
 PARALLEL_CALLS = 64
-# A reply to a stop call is a status line and a small body; more is not read.
-MAX_BODY = 64 * 1024
+# A reply to a stop call is a status line and a few headers; a head longer than
+# this is not an answer we trust (and is not read further).
+MAX_HEAD = 64 * 1024
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: [^\r\n]*)?")
+
+Outcome = Literal["taken", "failed", "unsent"]
 
 
 @dataclass(frozen=True)
@@ -47,48 +61,42 @@ class StopRequest:
     recording_id: str
     conference_id: str
     reason: str
+    attempts: int = 0  # signals sent before that the recorder did not take
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A stop call is a POST to one endpoint: a redirect is an answer, not a hop."""
-
-    def redirect_request(self, *args: object, **kwargs: object) -> None:
-        return None
-
-
-_opener = urllib.request.build_opener(_NoRedirects)
+class BadAnswer(Exception):
+    """The recorder answered something that is not an HTTP/1.x response head."""
 
 
 class RecorderClient:
-    def __init__(self, base_url: str, timeout: timedelta) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout.total_seconds()
+    def __init__(
+        self, base_url: str, timeout: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        parts = urlsplit(base_url)
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if self.tls else 80)
+        self.base_path = parts.path.rstrip("/")
+        self.host_header = parts.netloc.rpartition("@")[2]
+        self.timeout = timeout
+        self.clock = clock
+        self._tls_context = ssl.create_default_context() if self.tls else None
 
-    def stop(self, request: StopRequest) -> bool:
-        """True when the recorder took the signal (2xx, 404 or 409); never raises."""
-        url = f"{self.base_url}/recordings/{quote(request.recording_id)}/stop"
-        body = json.dumps({"conferenceId": request.conference_id, "reason": request.reason})
-        http_request = urllib.request.Request(
-            url,
-            data=body.encode(),
-            method="POST",
-            headers={
-                "Content-Type": "application/json",
-                "Idempotency-Key": request.recording_id,
-            },
-        )
+    def stop(self, request: StopRequest, not_after: float) -> Outcome:
+        """One signal, within REAPER_RECORDER_TIMEOUT and never past ``not_after``
+        (the pass's deadline, on ``clock``): ``unsent`` when the pass has no time
+        left to start it; never raises."""
+        now = self.clock()
+        if now >= not_after:
+            return "unsent"
+        deadline = min(now + self.timeout, not_after)
         try:
-            with _opener.open(http_request, timeout=self.timeout) as response:
-                status = response.status
-                response.read(MAX_BODY)
-        except urllib.error.HTTPError as exc:  # a status, with or without a body
-            status = exc.code
-        # The boundary of a "never raises" client: http.client's errors
-        # (BadStatusLine, IncompleteRead, LineTooLong...) are not OSError, and
-        # TLS, proxies and codecs add their own. Nothing gets past this line.
+            status = self._post(request, deadline)
+        # The boundary of a "never raises" client: sockets, TLS and the answer's
+        # parsing fail in their own ways. Nothing gets past this line.
         except Exception as exc:
             self._failed(request, error=describe(exc))
-            return False
+            return "failed"
         if 200 <= status < 300 or status in DONE_STATUSES:
             log(
                 logger,
@@ -97,9 +105,74 @@ class RecorderClient:
                 conference_id=request.conference_id,
                 status=status,
             )
-            return True
+            return "taken"
         self._failed(request, status=status)
-        return False
+        return "failed"
+
+    def _post(self, request: StopRequest, deadline: float) -> int:
+        """The call's status code. Every blocking step waits at most what is left
+        until ``deadline``; Python's socket and TLS calls bound their whole
+        operation by the socket's timeout (sendall, the handshake), so no step
+        can outlive it."""
+
+        def left() -> float:
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise TimeoutError(f"no whole answer within {self.timeout:g}s")
+            return remaining
+
+        path = f"{self.base_path}/recordings/{quote(request.recording_id, safe='')}/stop"
+        body = json.dumps({"conferenceId": request.conference_id, "reason": request.reason})
+        head = (
+            f"POST {path} HTTP/1.1\r\n"
+            f"Host: {self.host_header}\r\n"
+            "Content-Type: application/json\r\n"
+            f"Idempotency-Key: {request.recording_id}\r\n"
+            f"Content-Length: {len(body.encode())}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        with self._connect(left) as sock:
+            sock.settimeout(left())
+            sock.sendall(head.encode() + body.encode())
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                if len(answer) > MAX_HEAD:
+                    raise BadAnswer(f"no end of the answer's head within {MAX_HEAD} bytes")
+                sock.settimeout(left())
+                chunk = sock.recv(16384)
+                if not chunk:
+                    raise BadAnswer("connection closed before the answer's head ended")
+                answer += chunk
+        status_line = answer.split(b"\r\n", 1)[0]
+        match = _STATUS_LINE.fullmatch(status_line)
+        if match is None:
+            raise BadAnswer(f"not an HTTP status line: {status_line[:80]!r}")
+        return int(match.group(1))
+
+    @contextmanager
+    def _connect(self, left: Callable[[], float]) -> Iterator[socket.socket]:
+        # Name resolution is bounded by the system resolver's own timeouts (see
+        # the design): give REAPER_RECORDER_URL an address or a local name.
+        addresses = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        error: OSError | None = None
+        for family, kind, proto, _, address in addresses:
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(left())
+                sock.connect(address)
+            except OSError as exc:
+                sock.close()
+                error = exc
+                continue
+            try:
+                if self._tls_context is not None:
+                    sock.settimeout(left())
+                    sock = self._tls_context.wrap_socket(sock, server_hostname=self.host)
+                yield sock
+            finally:
+                sock.close()
+            return
+        raise error or OSError(f"{self.host} resolved to no address")
 
     def _failed(self, request: StopRequest, **why: object) -> None:
         log(
@@ -111,98 +184,146 @@ class RecorderClient:
             **why,
         )
 
-    def stop_all(self, requests: list[StopRequest]) -> list[StopRequest]:
-        """Send every signal; return those the recorder took within the budget."""
-        if not requests:
-            return []
-        pool = ThreadPoolExecutor(
-            max_workers=min(PARALLEL_CALLS, len(requests)), thread_name_prefix="recorder"
-        )
-        try:
-            futures = {pool.submit(self.stop, request): request for request in requests}
-            done, late = wait(futures, timeout=2 * self.timeout + 0.5)
-        finally:
-            # Calls in flight end at their own timeout; queued ones are dropped.
-            pool.shutdown(wait=False, cancel_futures=True)
-        for future in late:
-            self._failed(futures[future], error="not sent within the batch's time budget")
-        return [futures[future] for future in done if future.result()]
+
+@dataclass
+class StopPassResult:
+    requested: int = 0  # signals sent
+    taken: int = 0  # of which the recorder took (2xx, 404, 409)
+    unsent: int = 0  # claimed but not started before the pass's deadline: due again now
+    retried: int = 0  # signals sent that had been sent before
+    retried_taken: int = 0
+    skipped: bool = False  # another pass was running
+    duration_ms: int = 0
+
+    @property
+    def failed(self) -> int:
+        return self.requested - self.taken
+
+    def to_json(self) -> dict[str, int | bool]:
+        return {**asdict(self), "failed": self.failed}
 
 
-class StopSignal:
-    """Subscriber: after a batch commits, each reaped room's running recording gets
-    one stop signal; ``stop_requested_at`` records those the recorder took, so no
-    later cycle sends them again. A signal not taken is retried by the sweep after
-    every cycle, with back-off, for REAPER_RECORDER_RETRY_WINDOW after the close:
-    an orphaned recording is what the media stack pays for."""
+class StopPass:
+    """One pass over the due stop signals, bounded by budgets.stop_pass.
 
+    Claims up to CLAIM_LIMIT due recordings at a time (a lease: their next
+    attempt moves past the pass's end, so a concurrent or a later pass leaves
+    them alone, and a pass that dies frees them when the lease ends), sends
+    them side by side, then marks them in one transaction: taken, not taken
+    (exponential back-off), or not started (due again at once). Claims again
+    while a whole recorder timeout is left. The threads end with the pass:
+    every call ends by its own deadline, which never passes the pass's.
+    """
+
+    CLAIM_LIMIT = 500
     # The first retry waits this many recorder timeouts, each next one twice as
     # long, up to the cap.
     BACKOFF_TIMEOUTS = 5
-    BACKOFF_MAX = timedelta(minutes=2)
-    SWEEP_LIMIT = 500
+    BACKOFF_MAX_S = 120.0
 
     def __init__(
         self,
-        client: RecorderClient,
-        engine: Engine,
-        bus: Bus,
-        budget: Budget,
-        retry_window: timedelta = timedelta(minutes=15),
+        settings: Settings,
+        *,
+        engine: Engine | None = None,
+        bus: Bus | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        stop_event: threading.Event | None = None,
     ) -> None:
-        self.client = client
-        self.engine = engine
-        self.bus = bus
-        self.budget = budget  # of its own transactions (budgets.quick)
-        self.retry_window = retry_window
-        self.backoff_initial = max(1.0, self.BACKOFF_TIMEOUTS * client.timeout)
+        self.settings = settings
+        self.engine = engine or engine_of(settings)
+        self.bus = bus or process_bus
+        self.clock = clock
+        self.stop_event = stop_event or threading.Event()
+        self.timeout = settings.recorder_timeout.total_seconds()
+        self.duration = budgets.stop_pass(settings).total_seconds()
+        self.backoff_initial_s = max(1.0, self.BACKOFF_TIMEOUTS * self.timeout)
+        self.client = (
+            RecorderClient(settings.recorder_url, self.timeout, clock)
+            if settings.recorder_url
+            else None
+        )
 
-    def subscribe(self) -> None:
-        self.bus.subscribe(BatchCommitted, self.on_batch)
-        self.bus.subscribe(CycleFinished, self.on_cycle)
-
-    def on_batch(self, fact: BatchCommitted) -> None:
-        if fact.stops:
-            self.send(list(fact.stops))
-
-    def on_cycle(self, fact: CycleFinished) -> None:
-        if fact.result.get("skipped"):
-            return
-        self.sweep()
-
-    def sweep(self) -> list[StopRequest]:
-        """Send again what is due; the signals the recorder took."""
+    def run(self) -> StopPassResult:
+        """One pass, unless another is running (then nothing: it sends the due ones)."""
+        started = self.clock()
+        result = StopPassResult()
+        if self.client is None:
+            return result
         try:
-            with transaction(self.engine, self.budget) as queries:
-                due = queries.stops_due(
-                    window_s=self.retry_window.total_seconds(),
-                    first_after_s=self.backoff_initial,
-                    limit=self.SWEEP_LIMIT,
+            with self._pass_lock() as acquired:
+                if acquired:
+                    self._pass(result, deadline=started + self.duration)
+                else:
+                    result.skipped = True
+        except SQLAlchemyError as exc:  # best effort: the signals are due again later
+            log(logger, "recorder.db_failed", level=logging.WARNING, error=describe(exc))
+        result.duration_ms = round((self.clock() - started) * 1000)
+        self.bus.emit(StopPassCompleted(**asdict(result)))
+        return result
+
+    @contextmanager
+    def _pass_lock(self) -> Iterator[bool]:
+        """One pass at a time across all workers, so passes never fill every
+        worker slot: the lock's transaction idles on a connection of its own for
+        the pass, and the server ends it (freeing the lock) past its bound."""
+        conn = self.engine.connect()
+        try:
+            tx, queries = begin(conn, budgets.stop_pass_lock(self.settings))
+            try:
+                yield queries.try_stop_lock()
+            finally:
+                with suppress(SQLAlchemyError):
+                    tx.rollback()
+        finally:
+            conn.close()
+
+    def _pass(self, result: StopPassResult, deadline: float) -> None:
+        assert self.client is not None
+        client = self.client
+        with ThreadPoolExecutor(PARALLEL_CALLS, thread_name_prefix="recorder") as pool:
+            while self.clock() + self.timeout <= deadline and not self.stop_event.is_set():
+                requests = self._claim(lease_s=deadline - self.clock() + self.timeout)
+                if not requests:
+                    return
+                outcomes = list(pool.map(lambda r: client.stop(r, deadline), requests))
+                self._settle(result, requests, outcomes)
+                if len(requests) < self.CLAIM_LIMIT:
+                    return
+
+    def _claim(self, lease_s: float) -> list[StopRequest]:
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
+            rows = queries.claim_stops_due(
+                window_s=self.settings.recorder_retry_window.total_seconds(),
+                lease_s=lease_s,
+                limit=self.CLAIM_LIMIT,
+            )
+        return [
+            StopRequest(r.recording_id, r.conference_id, r.end_reason, r.stop_attempts)
+            for r in rows
+        ]
+
+    def _settle(
+        self, result: StopPassResult, requests: list[StopRequest], outcomes: list[Outcome]
+    ) -> None:
+        taken = [r for r, o in zip(requests, outcomes, strict=True) if o == "taken"]
+        failed = [r for r, o in zip(requests, outcomes, strict=True) if o == "failed"]
+        unsent = [r for r, o in zip(requests, outcomes, strict=True) if o == "unsent"]
+        sent = taken + failed
+        result.requested += len(sent)
+        result.taken += len(taken)
+        result.unsent += len(unsent)
+        result.retried += sum(1 for r in sent if r.attempts > 0)
+        result.retried_taken += sum(1 for r in taken if r.attempts > 0)
+        self.bus.emit(StopSignalsSent(requested=len(sent), taken=len(taken)))
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
+            if taken:
+                queries.mark_stop_requested([r.recording_id for r in taken])
+            if failed:
+                queries.mark_stop_failed(
+                    [r.recording_id for r in failed],
+                    backoff_initial_s=self.backoff_initial_s,
+                    backoff_max_s=self.BACKOFF_MAX_S,
                 )
-        except SQLAlchemyError as exc:
-            log(logger, "recorder.sweep_failed", level=logging.WARNING, error=describe(exc))
-            return []
-        if not due:
-            return []
-        requests = [StopRequest(r.recording_id, r.conference_id, r.end_reason) for r in due]
-        taken = self.send(requests)
-        log(logger, "recorder.retried", due=len(requests), taken=len(taken))
-        return taken
-
-    def send(self, requests: list[StopRequest]) -> list[StopRequest]:
-        taken = self.client.stop_all(requests)
-        self.bus.emit(StopSignalsSent(requested=len(requests), taken=len(taken)))
-        refused = [r.recording_id for r in requests if r not in taken]
-        try:
-            with transaction(self.engine, self.budget) as queries:
-                if taken:
-                    queries.mark_stop_requested([stop.recording_id for stop in taken])
-                if refused:
-                    queries.mark_stop_failed(
-                        refused,
-                        backoff_initial_s=self.backoff_initial,
-                        backoff_max_s=self.BACKOFF_MAX.total_seconds(),
-                    )
-        except SQLAlchemyError as exc:  # best effort: the signals themselves went out
-            log(logger, "recorder.mark_failed", level=logging.WARNING, error=describe(exc))
-        return taken
+            if unsent:
+                queries.release_stops([r.recording_id for r in unsent])

@@ -6,6 +6,9 @@ reap_phase(stale_live) | reap(finish=run_id)``. Each phase is its own task
 (visible in Flower) and is given nothing but the run id (``cycle=run_id``),
 because the run's state lives in its row (reaper/runs.py). The last link
 inherits the original task id and reports the cycle's totals.
+
+The recorder stop signals are ``reaper.stop_recordings``, on a queue of their
+own: a pass over the signals due in the database (reaper/recorder.py).
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ from reaper.celery_app import app, stopping
 from reaper.config import get_settings
 from reaper.cycle import Reaper
 from reaper.phases import ORDER, PHASES
+from reaper.recorder import StopPass
 from reaper.relay import Relay
 
 # A relay request nobody picked up within this is dropped: the beat tick and
 # the next cycle's request follow anyway.
 RELAY_EXPIRES = 30.0
+# Likewise a stop pass: the beat tick sends the signals it would have sent.
+STOPS_EXPIRES = 30.0
 
 
 @cache
@@ -36,6 +42,11 @@ def get_relay() -> Relay:
     return Relay(get_settings(), stop_event=stopping())
 
 
+@cache
+def get_stop_pass() -> StopPass:
+    return StopPass(get_settings(), stop_event=stopping())
+
+
 @app.task(name="reaper.reap", bind=True)
 def reap(self: Task, as_of: str | None = None, *, finish: str | None = None) -> Any:
     """One cycle. ``finish`` (a run id) is the cycle's own last link: close and report."""
@@ -46,6 +57,15 @@ def reap(self: Task, as_of: str | None = None, *, finish: str | None = None) -> 
             # The cycle wrote integration events: publish them now, not at
             # the next relay tick.
             relay_outbox.apply_async(expires=RELAY_EXPIRES)
+        closed = (
+            result["empty_timeout_count"]
+            + result["stale_timeout_count"]
+            + result["provision_failed_count"]
+        )
+        if closed > 0 and reaper.settings.recorder_url:
+            # Rooms it closed may have recordings running: their stop signals
+            # are due now, not at the next beat tick.
+            stop_recordings.apply_async(expires=STOPS_EXPIRES)
         return result
     cycle = reaper.start(as_of)
     if not cycle.owns_run:
@@ -82,3 +102,9 @@ def reap_phase(
 def relay_outbox() -> dict[str, int]:
     """Publish pending integration_outbox rows to Kafka (see :mod:`reaper.relay`)."""
     return get_relay().run().to_json()
+
+
+@app.task(name="reaper.stop_recordings")
+def stop_recordings() -> dict[str, int | bool]:
+    """Send the recorder stop signals that are due (see :mod:`reaper.recorder`)."""
+    return get_stop_pass().run().to_json()

@@ -2,9 +2,11 @@
 
 The engine emits facts (:mod:`reaper.events`); here, once per process (the
 worker's processes, ``reaper`` commands), the subscribers are attached: JSON
-log lines, Prometheus, OpenTelemetry, the database gauges and the recorder stop
-signal. Adding an effect after the commit means adding a line here, not
-touching the engine.
+log lines, Prometheus, OpenTelemetry and the database gauges. Subscribers do
+no network I/O of their own: the recorder stop signals are the
+``reaper.stop_recordings`` task's (reaper/recorder.py), never a subscriber's,
+so a slow recorder never holds the thread that emits. Adding an effect after
+the commit means adding a line here, not touching the engine.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ import weakref
 
 from sqlalchemy import Engine
 
-from reaper import budgets, eventlog, metrics, overview, tracing
+from reaper import eventlog, metrics, overview, tracing
 from reaper.config import Settings
 from reaper.db import engine_of
 from reaper.events import Bus, CycleFinished, process_bus
-from reaper.recorder import RecorderClient, StopSignal
 
 _lock = threading.Lock()
 # The buses already wired. Weak, not by id(): a collected bus's id is reused by
@@ -37,11 +38,6 @@ def install(settings: Settings, bus: Bus = process_bus, *, engine: Engine | None
     metrics.subscribe(bus)
     tracing.subscribe(bus)
     bus.subscribe(CycleFinished, Gauges(engine, settings, bus))
-    if settings.recorder_url:
-        client = RecorderClient(settings.recorder_url, settings.recorder_timeout)
-        StopSignal(
-            client, engine, bus, budgets.quick(settings), settings.recorder_retry_window
-        ).subscribe()
     return bus
 
 

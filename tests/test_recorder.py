@@ -1,4 +1,9 @@
-"""The recorder stop signal (docs/design.md#the-recorder-stop-signal) against a real HTTP server."""
+"""The recorder stop signal (docs/design.md#the-recorder-stop-signal) against a real HTTP server.
+
+A cycle closes the rooms; the stop pass (the ``reaper.stop_recordings`` task's
+code, run here after the cycle as ``reaper reap --once`` runs it) sends the
+signals that are due in the database.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from sqlalchemy import Engine, text
 from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
+from reaper.recorder import StopPass
 from tests.conftest import BIN, ROOT, free_port
 from tests.support import factory as f
 from tests.support.factory import T0
@@ -83,8 +89,12 @@ def recorder() -> Iterator[Recorder]:
 
 
 def reap(settings: Settings, engine: Engine, as_of=T0) -> dict:
-    """A cycle in a process configured by ``settings`` (its recorder URL above all)."""
-    return Reaper(settings, engine=engine, bus=wired_bus(settings, engine)).run_cycle(as_of)
+    """A cycle, then a stop pass, in a process configured by ``settings`` (its
+    recorder URL above all), as ``reaper reap --once`` runs them."""
+    bus = wired_bus(settings, engine)
+    result = Reaper(settings, engine=engine, bus=bus).run_cycle(as_of)
+    StopPass(settings, engine=engine, bus=bus).run()
+    return result
 
 
 def stop_requested(engine: Engine) -> dict[str, object]:
@@ -94,8 +104,14 @@ def stop_requested(engine: Engine) -> dict[str, object]:
 
 
 def with_recorder(settings: Settings, url: str, timeout: float = 2.0) -> Settings:
+    # The rooms here close at T0, a fixed moment in the past: the retry window
+    # reaches back to it (tests/test_recorder_faults.py holds the real window).
     return settings.model_copy(
-        update={"recorder_url": url, "recorder_timeout": timedelta(seconds=timeout)}
+        update={
+            "recorder_url": url,
+            "recorder_timeout": timedelta(seconds=timeout),
+            "recorder_retry_window": timedelta(days=36500),
+        }
     )
 
 
@@ -206,19 +222,32 @@ def test_refused_connection_leaves_the_conference_ended(settings, engine, caplog
     assert failed["error"].split(":")[0] in ("ConnectionRefusedError", "URLError")
 
 
-def test_a_hanging_recorder_delays_a_full_batch_by_about_two_timeouts(settings, engine, recorder):
-    """A black-holed recorder must not hold the phase for batch/parallelism x timeout."""
+def test_a_hanging_recorder_never_holds_the_cycle_and_its_pass_ends_within_its_bound(
+    settings, engine, recorder
+):
+    """A black-holed recorder: the cycle's phases never wait for it (they send
+    nothing); the stop pass gives up at its own deadline, threads included."""
     recorder.delay = 6.0
     with engine.begin() as conn:
         for _ in range(settings.batch_size):
             room = f.conference(conn, idle=timedelta(minutes=5))
             f.recording(conn, room["id"])
+    settings = with_recorder(settings, recorder.url, 1.0)
+    bus = wired_bus(settings, engine)
     started = time.monotonic()
-    result = reap(with_recorder(settings, recorder.url, 1.0), engine)
-    elapsed = time.monotonic() - started
+    result = Reaper(settings, engine=engine, bus=bus).run_cycle(T0)
+    cycle_took = time.monotonic() - started
     assert result["empty_timeout_count"] == settings.batch_size
-    assert len(recorder.calls) == settings.batch_size  # every one was tried
-    assert elapsed < 5.5  # generous: the budget is two recorder timeouts per batch
+    assert recorder.calls == []  # the cycle itself sends nothing
+    started = time.monotonic()
+    sent = StopPass(settings, engine=engine, bus=bus).run()
+    pass_took = time.monotonic() - started
+    assert len(recorder.calls) == settings.batch_size == sent.requested  # every one tried
+    assert sent.taken == 0 and sent.unsent == 0
+    assert pass_took < 3 * 1.0 + 1.5  # budgets.stop_pass: three recorder timeouts
+    # no call outlives its pass (the fake recorder's own threads sleep on)
+    assert not [t for t in threading.enumerate() if t.name.startswith("recorder")]
+    assert cycle_took < 5.0, cycle_took
     assert all(v is None for v in stop_requested(engine).values())
 
 

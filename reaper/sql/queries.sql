@@ -605,8 +605,8 @@ SET stop_requested_at = clock_timestamp()
 WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
 
 -- name: mark_stop_failed
--- A stop signal the recorder did not take: the sweep may send the next one after
--- an exponential back-off.
+-- A stop signal the recorder did not take: a later pass may send the next one
+-- after an exponential back-off.
 UPDATE messenger.call_recordings
 SET stop_attempts = stop_attempts + 1,
     stop_next_attempt_at = clock_timestamp() + make_interval(secs => least(
@@ -614,21 +614,47 @@ SET stop_attempts = stop_attempts + 1,
         CAST(:backoff_initial_s AS float8) * power(2, least(stop_attempts, 30))))
 WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
 
--- name: stops_due
--- The sweep: recordings still running on rooms the reaper ended within the
--- retry window, whose stop signal was not taken, due again (never tried: some
--- time after the close, when the first signal has had its chance).
-SELECT r.id::text AS recording_id, s.id::text AS conference_id, s.end_reason
-FROM messenger.conference_sessions s
-JOIN messenger.call_recordings r ON r.conference_id = s.id
-WHERE s.end_reason IN ('EmptyTimeout', 'Timeout', 'Error')
-  AND s.ended_at >= clock_timestamp() - make_interval(secs => :window_s)
-  AND r.status IN ('Pending', 'Recording', 'Uploading')
-  AND r.stop_requested_at IS NULL
-  AND coalesce(r.stop_next_attempt_at, s.ended_at + make_interval(secs => :first_after_s))
-      <= clock_timestamp()
-ORDER BY s.ended_at, r.id
-LIMIT :limit;
+-- name: claim_stops_due
+-- The stop signals due now, claimed for one pass (reaper/recorder.py StopPass):
+-- recordings still running on rooms the reaper ended within the retry window,
+-- whose stop the recorder has not taken, and whose next attempt is due (never
+-- tried: at once, from the close). The claim is a lease: their next attempt
+-- moves to the end of the pass, so a concurrent pass skips them and a pass
+-- that dies leaves them due again when the lease ends. SKIP LOCKED: a
+-- recording row the media stack holds is left for the next pass, never waited
+-- on.
+WITH due AS (
+    SELECT r.id, s.id AS conference_id, s.end_reason
+    FROM messenger.conference_sessions s
+    JOIN messenger.call_recordings r ON r.conference_id = s.id
+    WHERE s.end_reason IN ('EmptyTimeout', 'Timeout', 'Error')
+      AND s.ended_at >= clock_timestamp() - make_interval(secs => :window_s)
+      AND r.status IN ('Pending', 'Recording', 'Uploading')
+      AND r.stop_requested_at IS NULL
+      AND (r.stop_next_attempt_at IS NULL OR r.stop_next_attempt_at <= clock_timestamp())
+    ORDER BY s.ended_at, r.id
+    LIMIT :limit
+    FOR UPDATE OF r SKIP LOCKED
+)
+UPDATE messenger.call_recordings r
+SET stop_next_attempt_at = clock_timestamp() + make_interval(secs => :lease_s)
+FROM due
+WHERE r.id = due.id
+RETURNING r.id::text AS recording_id, due.conference_id::text AS conference_id,
+          due.end_reason, r.stop_attempts;
+
+-- name: release_stops
+-- Claimed signals a pass had no time left to send: due again at once, with no
+-- attempt counted.
+UPDATE messenger.call_recordings
+SET stop_next_attempt_at = clock_timestamp()
+WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
+
+-- name: try_stop_lock
+-- One stop-signal pass at a time across all workers, so passes never fill every
+-- worker slot (the claim's lease would keep concurrent passes apart anyway).
+-- Held until the end of the calling transaction.
+SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper.recorder', 0));
 
 -- name: run_lock_holder
 -- Backend pid holding the single-runner lock, if any (bigint keys are split
