@@ -12,8 +12,8 @@ from sqlalchemy import Engine, text
 from reaper import budgets
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from reaper.events import Bus
-from reaper.recorder import StopSignal
+from reaper.db import transaction
+from reaper.events import BatchCommitted, Bus
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import SteppingClock, log_events
@@ -23,17 +23,29 @@ def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
     return Reaper(settings, engine=engine, **kwargs).run_cycle(as_of)
 
 
-class TakingRecorder:
-    """A recorder that takes every stop signal, and keeps them."""
+def reported_stops(bus: Bus) -> list:
+    """The stop rows the phases report (BatchCommitted.stops), as they commit."""
+    stops: list = []
+    bus.subscribe(BatchCommitted, lambda fact: stops.extend(fact.stops))
+    return stops
 
-    timeout = 2.0
 
-    def __init__(self) -> None:
-        self.taken: list = []
+def claim_due_stops(engine: Engine) -> list[tuple[str, str, str]]:
+    """What a stop pass would claim now (a window reaching back to T0)."""
+    with transaction(engine, budgets.quick(Settings())) as queries:
+        rows = queries.claim_stops_due(window_s=100 * 365 * 86400, lease_s=60, limit=100)
+    return sorted((r.recording_id, r.conference_id, r.end_reason) for r in rows)
 
-    def stop_all(self, requests: list) -> list:
-        self.taken.extend(requests)
-        return requests
+
+def stop_columns(engine: Engine) -> set[tuple[object, object, int]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT stop_requested_at, stop_next_attempt_at, stop_attempts"
+                " FROM messenger.call_recordings WHERE stop_requested_at IS NULL"
+            )
+        )
+        return {tuple(r) for r in rows}
 
 
 def test_empty_batch_is_a_noop(settings, engine):
@@ -211,8 +223,9 @@ def test_stale_live_ends_with_timeout_and_event(settings, engine):
 
 
 def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, engine):
-    recorder = TakingRecorder()
-    stops = recorder.taken
+    """The phase reports the running recording and marks nothing: its stop is
+    durable state (the room ended, the recording running, no stop requested),
+    due at once to the stop pass."""
     with engine.begin() as conn:
         room = f.conference(conn, idle=timedelta(minutes=5))
         old = f.recording(conn, room["id"], status="Available", created_at=T0 - timedelta(hours=1))
@@ -220,35 +233,26 @@ def test_active_recording_is_named_in_the_event_and_reported_for_stop(settings, 
         done_room = f.conference(conn, idle=timedelta(minutes=5))
         f.recording(conn, done_room["id"], status="Available")
     bus = Bus()
-    StopSignal(recorder, engine, bus, budgets.quick(settings)).subscribe()  # type: ignore[arg-type]
+    stops = reported_stops(bus)
     reap(settings, engine, bus=bus)
     assert [(s.recording_id, s.conference_id, s.reason) for s in stops] == [
         (live["id"], room["id"], "EmptyTimeout")
     ]
     with engine.connect() as conn:
         events_by_room = {e["payload"]["payload"]["conferenceId"]: e for e in f.outbox(conn)}
-        marked = (
-            conn.execute(
-                text(
-                    "SELECT id::text FROM messenger.call_recordings"
-                    " WHERE stop_requested_at IS NOT NULL"
-                )
-            )
-            .scalars()
-            .all()
-        )
     assert events_by_room[room["id"]]["payload"]["payload"]["wasRecorded"] is True
     assert events_by_room[room["id"]]["payload"]["payload"]["recordingId"] == live["id"]
     assert events_by_room[done_room["id"]]["payload"]["payload"]["wasRecorded"] is True
-    assert old["id"] != live["id"] and marked == [live["id"]]
+    assert old["id"] != live["id"]
+    # the batch statement marked nothing: no stop requested, no attempt, no lease
+    assert stop_columns(engine) == {(None, None, 0)}
+    assert claim_due_stops(engine) == [(live["id"], room["id"], "EmptyTimeout")]
 
 
 def test_every_running_recording_of_a_room_is_stopped_once(settings, engine):
     """One read of a room's recordings serves the event and the stop signals: all
-    running ones are signalled, one already asked to stop is not, the latest names
-    the event; a room without recordings says so."""
-    recorder = TakingRecorder()
-    stops = recorder.taken
+    running ones are reported and due, one already asked to stop is not, the
+    latest names the event; a room without recordings says so."""
     with engine.begin() as conn:
         room = f.conference(conn, idle=timedelta(minutes=5))
         hours = [T0 - timedelta(hours=n) for n in range(4)]
@@ -261,10 +265,12 @@ def test_every_running_recording_of_a_room_is_stopped_once(settings, engine):
         )
         bare = f.conference(conn, idle=timedelta(minutes=5))
     bus = Bus()
-    StopSignal(recorder, engine, bus, budgets.quick(settings)).subscribe()  # type: ignore[arg-type]
+    stops = reported_stops(bus)
     result = reap(settings, engine, bus=bus)
     assert result["empty_timeout_count"] == 2
     assert sorted(s.recording_id for s in stops) == sorted([first["id"], second["id"]])
+    assert [due[0] for due in claim_due_stops(engine)] == sorted([first["id"], second["id"]])
+    assert claim_due_stops(engine) == []  # claimed: leased to that pass, not due again
     with engine.connect() as conn:
         events = {e["payload"]["payload"]["conferenceId"]: e["payload"]["payload"]
                   for e in f.outbox(conn)}  # fmt: skip

@@ -87,7 +87,6 @@ def recorder() -> Iterator[Recorder]:
     server.server_close()
 
 
-
 def reap(settings: Settings, engine: Engine, as_of=T0) -> dict:
     """A cycle, then a stop pass, in a process configured by ``settings`` (its
     recorder URL above all), as ``reaper reap --once`` runs them."""

@@ -1,11 +1,17 @@
 """The recorder can never break a cycle (docs/design.md#the-recorder-stop-signal).
 
 A fake recorder on a raw socket misbehaves in every way a peer can: garbage
-instead of HTTP, a reset, silence, a redirect, a truncated or a huge body, TLS
-asked of a plain server. Each time the cycle completes, the room stays ended,
-the failure is logged and counted; a signal not taken is retried by the sweep,
-with back-off, within the retry window. Any other unexpected error in a phase
-is ``phase.failed``, counted, and the cycle still finishes.
+instead of HTTP, a reset, silence, a trickle of one byte at a time, a
+redirect, a truncated or a huge body, TLS asked of a plain server. Each time
+the cycle completes, the room stays ended, the stop pass gives up within its
+deadline, the failure is logged and counted; a signal not taken is retried by
+a later pass, with back-off, within the retry window. Any other unexpected
+error in a phase is ``phase.failed``, counted, and the cycle still finishes.
+
+The trickling recorder is the one a per-read timeout cannot bound: through the
+real CLI and worker, ``reaper reap --once`` ends within its bound beside it and
+a worker's cycles keep their pace; and 8 lanes drain 20,000 recorded rooms
+beside a recorder that refuses connections, without waiting for a connection.
 """
 
 from __future__ import annotations
@@ -25,14 +31,18 @@ from sqlalchemy import text
 from reaper import cycle as cycle_module
 from reaper import metrics
 from reaper.cycle import Reaper
-from reaper.events import CycleFinished, PhaseFailed
+from reaper.events import CycleFinished, PhaseFailed, StopPassCompleted
+from reaper.recorder import StopPass
 from tests.support import factory as f
-from tests.support.facts import FactRecorder, count_events, log_events, wired_bus
-from tests.support.processes import run_cli
+from tests.support.facts import FactRecorder, count_events, log_events, output_events, wired_bus
+from tests.support.ports import free_port
+from tests.support.processes import Worker, run_cli
 
 FAILED_METRIC = "messenger_conf_reaper_recorder_stop_failed_total"
 
 OK = b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+# Under the default REAPER_RECORDER_TIMEOUT (2 s): every read gets a byte in time.
+TRICKLE_GAP = 1.5
 ANSWERS = {
     "garbage": b"GARBAGE\r\n",
     "redirect": (
@@ -107,6 +117,10 @@ class RawRecorder:
                         conn.sendall(chunk)
                 elif self.mode == "ok":
                     conn.sendall(OK)
+                elif self.mode == "trickle":  # a valid answer, one byte at a time
+                    for byte in OK:
+                        conn.sendall(bytes([byte]))
+                        time.sleep(TRICKLE_GAP)
                 elif self.mode != "tls":  # tls: the plain bytes the client sent are garbage
                     conn.sendall(ANSWERS[self.mode])
             except OSError:
@@ -132,38 +146,44 @@ def seed_recorded_room(engine, as_of=None):
     return room, recording
 
 
-MODES = ["garbage", "reset", "silent", "redirect", "truncated", "bad-status", "endless-header",
-         "tls", "huge"]  # fmt: skip
+MODES = ["garbage", "reset", "silent", "trickle", "redirect", "truncated", "bad-status",
+         "endless-header", "tls", "huge"]  # fmt: skip
 
 
 @pytest.mark.parametrize("raw_recorder", MODES, indirect=True)
 def test_nothing_the_recorder_does_escapes_the_stop_signal(settings, engine, raw_recorder, caplog):
     caplog.set_level("INFO", "reaper")
+    # 2 s, the default: a trickle's reads each get their byte in time
     settings = settings.model_copy(
-        update={"recorder_url": raw_recorder.url, "recorder_timeout": timedelta(seconds=1)}
+        update={"recorder_url": raw_recorder.url, "recorder_timeout": timedelta(seconds=2)}
     )
-    room, recording = seed_recorded_room(engine)
+    room, recording = seed_recorded_room(engine, as_of=f.db_now(engine))
     bus = wired_bus(settings, engine)
-    facts = FactRecorder(bus, CycleFinished, PhaseFailed)
+    facts = FactRecorder(bus, CycleFinished, PhaseFailed, StopPassCompleted)
     before = metrics.sample(FAILED_METRIC)
+    result = Reaper(settings, engine=engine, bus=bus).run_cycle()
+    assert raw_recorder.requests == []  # the cycle sends nothing itself
     started = time.monotonic()
-    result = Reaper(settings, engine=engine, bus=bus).run_cycle(f.T0)
+    StopPass(settings, engine=engine, bus=bus).run()
     took = time.monotonic() - started
     assert result["empty_timeout_count"] == 1 and result["skipped"] is False
     assert not facts.of(PhaseFailed)
     [end] = facts.of(CycleFinished)
     assert end.errors == 0
+    [sent] = facts.of(StopPassCompleted)
+    assert sent.requested == 1 and sent.unsent == 0
     with engine.connect() as conn:
         assert f.session_row(conn, room["id"])["status"] == "Ended"
     if raw_recorder.mode in ("huge", "truncated"):
-        # a 200 is a signal taken; the body is not read to its end (nor waited for)
+        # a 200 is a signal taken; the body is not read (nor waited for)
         assert metrics.sample(FAILED_METRIC) == before
+        assert sent.taken == 1
         assert took < 5, took
         return
     assert metrics.sample(FAILED_METRIC) == before + 1
     [failed] = log_events(caplog, "recorder.stop_failed")
     assert failed["recording_id"] == recording["id"]
-    assert took < 2 * 1 + 2, took  # the signal's budget: two recorder timeouts
+    assert took < 2 + 1.5, took  # one call's overall deadline: one recorder timeout
 
 
 @pytest.mark.process
@@ -294,3 +314,135 @@ def test_a_signal_not_taken_is_retried_with_backoff_within_the_window(engine):
     assert recording_row(engine, old_recording["id"])["stop_attempts"] == 0
     print(f"\n[figures] stop signal refused twice, retried after {gaps[0]:.1f}s and "
           f"{gaps[1]:.1f}s (back-off 2.5 s doubling), taken on the third call")  # fmt: skip
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("raw_recorder", ["trickle"], indirect=True)
+def test_reap_once_beside_a_trickling_recorder_ends_within_its_bound(engine, raw_recorder):
+    """Measured before: the stop signals ran on the drain's reporting thread with a
+    per-read timeout; `reaper reap --once` printed its result after 4.6 s and had
+    not exited 60 s later (its threads read the trickle on)."""
+    now = f.db_now(engine)
+    with engine.begin() as conn:
+        for _ in range(3):
+            room = f.conference(conn, as_of=now, idle=timedelta(minutes=5))
+            f.recording(conn, room["id"], status="Recording")
+    timeout = 2.0  # REAPER_RECORDER_TIMEOUT's default; the trickle sends a byte every 1.5 s
+    started = time.monotonic()
+    env = {"REAPER_RECORDER_URL": raw_recorder.url, "REAPER_RECORDER_TIMEOUT": str(timeout)}
+    done = run_cli("reap", "--once", "--json", env=env)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["empty_timeout_count"] == 3
+    assert len(raw_recorder.requests) == 3
+    assert count_events(done.stderr, "recorder.stop_failed") == 3
+    [sent] = output_events(done.stderr, "recorder.pass_completed")
+    assert (sent["requested"], sent["taken"], sent["failed"]) == (3, 0, 3)
+    # each call's overall deadline is one recorder timeout; the pass's bound
+    # (budgets.stop_pass) three. The rest: the process's start and its cycle.
+    assert sent["duration_ms"] < (timeout + 1) * 1000, sent
+    assert took < 3 * timeout + 8, took
+    print(f"\n[figures] reap --once beside a trickling recorder: exited after {took:.1f}s "
+          f"(stop pass {sent['duration_ms']} ms)")  # fmt: skip
+
+
+def seed_rooms_closing_one_per_second(engine, seconds: int) -> None:
+    """Rooms with a running recording, one becoming eligible each second from now
+    (REAPER_EMPTY_ROOM_GRACE, 90 s, after its last activity)."""
+    now = f.db_now(engine)
+    with engine.begin() as conn:
+        for k in range(seconds):
+            room = f.conference(conn, as_of=now + timedelta(seconds=k), idle=timedelta(seconds=90))
+            f.recording(conn, room["id"], status="Recording")
+
+
+def cycles_completed(worker: Worker, window: float) -> int:
+    """cycle.completed lines the worker logs over ``window`` seconds of its run."""
+    worker.wait_for(lambda out: '"cycle.completed"' in out, 30, "a first cycle")
+    before = worker.output().count('"cycle.completed"')
+    time.sleep(window)
+    return worker.output().count('"cycle.completed"') - before
+
+
+@pytest.mark.process
+def test_a_workers_cycles_keep_their_pace_beside_a_trickling_recorder(tmp_path, engine):
+    """Measured before (30 s, REAPER_POLLING_INTERVAL=1s): 28 cycles without a
+    recorder, 11 beside the trickling one (each batch with a recording held every
+    lane for two recorder timeouts)."""
+    window = 20.0
+    env = {"REAPER_POLLING_INTERVAL": "1", "REAPER_RECORDER_TIMEOUT": "2"}
+    paces: dict[str, int] = {}
+    for mode in ("ok", "trickle"):
+        recorder = RawRecorder(mode)
+        recorder.sock = socket.socket()
+        recorder.sock.bind(("127.0.0.1", 0))
+        recorder.sock.listen(64)
+        recorder.port = recorder.sock.getsockname()[1]
+        threading.Thread(target=recorder.serve, daemon=True).start()
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE messenger.call_recordings, messenger.reaper_runs,"
+                              " messenger.conference_sessions CASCADE"))  # fmt: skip
+        seed_rooms_closing_one_per_second(engine, int(window) + 40)
+        worker = Worker(tmp_path, {**env, "REAPER_RECORDER_URL": recorder.url}, name=mode)
+        try:
+            worker.start()
+            paces[mode] = cycles_completed(worker, window)
+            output = worker.output()
+        finally:
+            worker.stop()
+            recorder.sock.close()
+        # the signals went out, from the worker's reaper.stop_recordings task
+        assert '"recorder.pass_completed"' in output
+        with engine.connect() as conn:
+            taken = conn.execute(text("SELECT count(*) FROM messenger.call_recordings"
+                                      " WHERE stop_requested_at IS NOT NULL")).scalar()  # fmt: skip
+        if mode == "ok":
+            assert taken > 0
+        else:
+            assert taken == 0 and '"recorder.stop_failed"' in output
+    print(f"\n[figures] cycles completed in {window:.0f}s at REAPER_POLLING_INTERVAL=1s: "
+          f"{paces['ok']} beside a recorder that answers, {paces['trickle']} beside a "
+          f"trickling one")  # fmt: skip
+    assert paces["ok"] >= window / 2, paces  # the interval's pace, give or take a shared CPU
+    assert paces["trickle"] >= 0.75 * paces["ok"], paces
+
+
+@pytest.mark.process
+def test_eight_lanes_drain_20000_recorded_rooms_beside_a_refusing_recorder(engine):
+    """REAPER_DRAIN_LANES at its maximum, every room with a running recording, a
+    recorder that refuses connections: the cycle never waits for a connection of
+    its pool (no `QueuePool limit ... timed out`), and the stop pass after it
+    ends within its bound."""
+    now = f.db_now(engine)
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, 20_000, as_of=now)
+        conn.execute(
+            text(
+                """
+                INSERT INTO messenger.call_recordings (id, conference_id, status, created_at)
+                SELECT gen_random_uuid(), s.id, 'Recording', s.created_at
+                FROM messenger.conference_sessions s;
+                ANALYZE messenger.conference_sessions, messenger.call_recordings
+                """
+            )
+        )
+    refusing = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    env = {"REAPER_RECORDER_URL": refusing, "REAPER_DRAIN_LANES": "8"}
+    done = run_cli("reap", "--once", "--json", env=env, timeout=300)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "QueuePool limit" not in done.stderr and "Traceback" not in done.stderr
+    result = json.loads(done.stdout)
+    assert result["empty_timeout_count"] == 20_000 and result["failed_count"] == 0
+    with engine.connect() as conn:
+        open_rooms = conn.execute(text("SELECT count(*) FROM messenger.conference_sessions"
+                                       " WHERE status <> 'Ended'")).scalar()  # fmt: skip
+    assert open_rooms == 0
+    [sent] = output_events(done.stderr, "recorder.pass_completed")
+    assert sent["requested"] > 0 and sent["taken"] == 0
+    assert count_events(done.stderr, "recorder.stop_failed") == sent["failed"] == sent["requested"]
+    assert sent["duration_ms"] < (3 * 2 + 5) * 1000, sent  # budgets.stop_pass, its marks
+    print(f"\n[figures] 20,000 recorded rooms at 8 lanes, recorder refusing: reap --once "
+          f"{took:.1f}s (cycle {result['duration_ms']} ms, stop pass {sent['duration_ms']} ms: "
+          f"{sent['requested']} signals sent, {sent['unsent']} left due)")  # fmt: skip
