@@ -262,6 +262,11 @@ class StopPass:
         self.bus.emit(StopPassCompleted(**asdict(result)))
         return result
 
+    def running(self) -> bool:
+        """Whether a pass is running somewhere now (it holds the stop lock)."""
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
+            return not queries.try_stop_lock()  # a lock taken here ends with the probe
+
     @contextmanager
     def _pass_lock(self) -> Iterator[bool]:
         """One pass at a time across all workers, so passes never fill every

@@ -62,9 +62,12 @@ def reap(self: Task, as_of: str | None = None, *, finish: str | None = None) -> 
             + result["stale_timeout_count"]
             + result["provision_failed_count"]
         )
-        if closed > 0 and reaper.settings.recorder_url:
+        if closed > 0 and reaper.settings.recorder_url and not get_stop_pass().running():
             # Rooms it closed may have recordings running: their stop signals
-            # are due now, not at the next beat tick.
+            # are due now, not at the next beat tick. Not while a pass runs:
+            # passes queued behind it would take the worker's slots from the
+            # next cycles (beside a slow recorder, half of them); the beat tick
+            # sends what that pass did not claim.
             stop_recordings.apply_async(expires=STOPS_EXPIRES)
         return result
     cycle = reaper.start(as_of)

@@ -21,6 +21,7 @@ import socket
 import struct
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,6 +36,7 @@ from reaper.events import CycleFinished, PhaseFailed, StopPassCompleted
 from reaper.recorder import StopPass
 from tests.support import factory as f
 from tests.support.facts import FactRecorder, count_events, log_events, output_events, wired_bus
+from tests.support.kafka import create_topic
 from tests.support.ports import free_port
 from tests.support.processes import Worker, run_cli
 
@@ -365,12 +367,23 @@ def cycles_completed(worker: Worker, window: float) -> int:
 
 
 @pytest.mark.process
-def test_a_workers_cycles_keep_their_pace_beside_a_trickling_recorder(tmp_path, engine):
-    """Measured before (30 s, REAPER_POLLING_INTERVAL=1s): 28 cycles without a
-    recorder, 11 beside the trickling one (each batch with a recording held every
-    lane for two recorder timeouts)."""
+def test_a_workers_cycles_keep_their_pace_beside_a_trickling_recorder(
+    tmp_path, engine, kafka_broker
+):
+    """Measured before (30 s, REAPER_POLLING_INTERVAL=1s, Kafka unreachable): 28
+    cycles without a recorder, 11 beside the trickling one (each batch with a
+    recording held every lane for two recorder timeouts). Kafka answers here: a
+    relay waiting on an unreachable one takes a worker slot of its own, which is
+    the relay's pace, not the recorder's (docs/design.md#the-recorder-stop-signal)."""
     window = 20.0
-    env = {"REAPER_POLLING_INTERVAL": "1", "REAPER_RECORDER_TIMEOUT": "2"}
+    topic = f"pace.conference-ended.{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_broker, topic)
+    env = {
+        "REAPER_POLLING_INTERVAL": "1",
+        "REAPER_RECORDER_TIMEOUT": "2",
+        "REAPER_KAFKA_BOOTSTRAP_SERVERS": kafka_broker,
+        "REAPER_CONFERENCE_ENDED_TOPIC": topic,
+    }
     paces: dict[str, int] = {}
     for mode in ("ok", "trickle"):
         recorder = RawRecorder(mode)
