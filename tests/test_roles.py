@@ -18,6 +18,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import DBAPIError
 
 from reaper import budgets
+from reaper.cycle import Reaper
 from reaper.db import transaction
 from tests.support import factory as f
 from tests.support.processes import run_cli
@@ -196,6 +197,28 @@ def test_the_worker_deletes_only_published_rows_past_the_retention(settings, eng
             conn.exec_driver_sql(f"DELETE FROM messenger.integration_outbox{where}")
         assert refused.value.orig.pgcode == "42501"
     assert outbox_ids(engine) == {recent, pending, parked}
+
+
+def test_the_stop_pass_claims_and_marks_as_a_worker_login(settings, engine, worker_engine):
+    """The stop pass's lock, lease (FOR UPDATE ... SKIP LOCKED), back-off and
+    release run with the worker role's column grants on call_recordings."""
+    from reaper.recorder import StopPass
+    from tests.support.ports import free_port
+
+    now = f.db_now(engine)
+    with engine.begin() as conn:
+        room = f.conference(conn, as_of=now, idle=timedelta(minutes=5))
+        recording = f.recording(conn, room["id"], status="Recording")
+    Reaper(settings, engine=engine).run_cycle()
+    refusing = settings.model_copy(update={"recorder_url": f"http://127.0.0.1:{free_port()}"})
+    sent = StopPass(refusing, engine=worker_engine).run()
+    assert (sent.requested, sent.taken, sent.skipped) == (1, 0, False)
+    with engine.connect() as conn:
+        row = conn.execute(
+            text("SELECT stop_attempts, stop_next_attempt_at FROM messenger.call_recordings"
+                 " WHERE id = :id"), {"id": recording["id"]},
+        ).one()  # fmt: skip
+    assert row.stop_attempts == 1 and row.stop_next_attempt_at is not None
 
 
 def test_the_operator_cannot_change_a_conference_nor_run_the_worker(engine, operator_engine):
