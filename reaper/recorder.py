@@ -263,9 +263,13 @@ class StopPass:
         return result
 
     def running(self) -> bool:
-        """Whether a pass is running somewhere now (it holds the stop lock)."""
-        with transaction(self.engine, budgets.quick(self.settings)) as queries:
-            return not queries.try_stop_lock()  # a lock taken here ends with the probe
+        """Whether a pass is running somewhere now (it holds the stop lock); False
+        when the database cannot tell (another pass is harmless)."""
+        try:
+            with transaction(self.engine, budgets.quick(self.settings)) as queries:
+                return not queries.try_stop_lock()  # a lock taken here ends with the probe
+        except SQLAlchemyError:
+            return False
 
     @contextmanager
     def _pass_lock(self) -> Iterator[bool]:

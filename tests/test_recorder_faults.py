@@ -459,3 +459,41 @@ def test_eight_lanes_drain_20000_recorded_rooms_beside_a_refusing_recorder(engin
     print(f"\n[figures] 20,000 recorded rooms at 8 lanes, recorder refusing: reap --once "
           f"{took:.1f}s (cycle {result['duration_ms']} ms, stop pass {sent['duration_ms']} ms: "
           f"{sent['requested']} signals sent, {sent['unsent']} left due)")  # fmt: skip
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("raw_recorder", ["ok"], indirect=True)
+def test_a_cycle_that_closes_a_recorded_room_sends_its_stop_right_after(
+    tmp_path, engine, raw_recorder
+):
+    """The cycle's last link enqueues reaper.stop_recordings: the signal goes out
+    within about a second of the close, long before the task's next beat tick
+    (every 5 recorder timeouts: 10 s here)."""
+    env = {
+        "REAPER_POLLING_INTERVAL": "1",
+        "REAPER_RECORDER_TIMEOUT": "2",
+        "REAPER_RECORDER_URL": raw_recorder.url,
+    }
+    worker = Worker(tmp_path, env, name="stops").start()
+    try:
+        worker.wait_for(lambda out: '"recorder.pass_completed"' in out or
+                        "reaper.stop_recordings" in out, 30, "the first stop pass")  # fmt: skip
+        time.sleep(1.0)  # past the beat's first tick of stop-recordings
+        now = f.db_now(engine)
+        with engine.begin() as conn:
+            room = f.conference(conn, as_of=now, idle=timedelta(minutes=5))
+            recording = f.recording(conn, room["id"], status="Recording")
+        deadline = time.monotonic() + 15
+        while recording_row(engine, recording["id"])["stop_requested_at"] is None:
+            assert time.monotonic() < deadline, worker.output()[-3000:]
+            time.sleep(0.1)
+        with engine.connect() as conn:
+            ended_at = f.session_row(conn, room["id"])["ended_at"]
+        lag = recording_row(engine, recording["id"])["stop_requested_at"] - ended_at
+        output = worker.output()
+    finally:
+        worker.stop()
+    assert len(raw_recorder.requests) == 1
+    assert "reaper.stop_recordings" in output and '"recorder.stop_requested"' in output
+    print(f"\n[figures] stop signal taken {lag.total_seconds():.2f}s after its room's close")
+    assert lag.total_seconds() < 4.0, lag  # the next beat tick would be up to 10 s away
