@@ -87,8 +87,9 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
         from reaper.recorder import StopPass
 
         # The stop signals of the rooms this cycle closed (and any other due),
-        # by the code of the reaper.stop_recordings task: within budgets.stop_pass.
-        StopPass(settings, bus=reaper.bus, stop_event=stop).run()
+        # by the code of the reaper.stop_recordings task, within budgets.stop_pass;
+        # beside a worker's pass too (it holds no worker slot).
+        StopPass(settings, bus=reaper.bus, stop_event=stop, exclusive=False).run()
     else:
         logs.log(
             logs.get_logger("cli"),

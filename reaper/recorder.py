@@ -229,12 +229,17 @@ class StopPass:
         bus: Bus | None = None,
         clock: Callable[[], float] = time.monotonic,
         stop_event: threading.Event | None = None,
+        exclusive: bool = True,
     ) -> None:
         self.settings = settings
         self.engine = engine or engine_of(settings)
         self.bus = bus or process_bus
         self.clock = clock
         self.stop_event = stop_event or threading.Event()
+        # One pass at a time across the workers (try_stop_lock), so passes never
+        # fill every worker slot. `reaper reap --once` takes no worker slot: its
+        # pass runs beside a worker's (the claims' lease keeps them apart).
+        self.exclusive = exclusive
         self.timeout = settings.recorder_timeout.total_seconds()
         self.duration = budgets.stop_pass(settings).total_seconds()
         self.backoff_initial_s = max(1.0, self.BACKOFF_TIMEOUTS * self.timeout)
@@ -276,6 +281,9 @@ class StopPass:
         """One pass at a time across all workers, so passes never fill every
         worker slot: the lock's transaction idles on a connection of its own for
         the pass, and the server ends it (freeing the lock) past its bound."""
+        if not self.exclusive:
+            yield True
+            return
         conn = self.engine.connect()
         try:
             tx, queries = begin(conn, budgets.stop_pass_lock(self.settings))

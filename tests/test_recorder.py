@@ -281,28 +281,33 @@ def test_recorder_url_with_a_path_and_trailing_slash(settings, engine, recorder)
 
 
 def test_one_pass_at_a_time_another_is_skipped(settings, engine, recorder, caplog):
-    """A pass while another holds the stop lock sends nothing and says so; the
-    signal stays due for the pass that holds it (or the next)."""
+    """A worker's pass while another holds the stop lock sends nothing and says
+    so; the pass of `reaper reap --once` (not exclusive: it holds no worker
+    slot) sends beside it."""
     caplog.set_level(logging.INFO, "reaper")
     with engine.begin() as conn:
         room = f.conference(conn, idle=timedelta(minutes=5))
         rec = f.recording(conn, room["id"])
     settings = with_recorder(settings, recorder.url)
-    Reaper(settings, engine=engine, bus=wired_bus(settings, engine)).run_cycle(T0)
+    bus = wired_bus(settings, engine)
+    Reaper(settings, engine=engine, bus=bus).run_cycle(T0)
+    stop_pass = StopPass(settings, engine=engine, bus=bus)
     with engine.begin() as conn:  # a running pass's lock
         held = conn.execute(
             text("SELECT pg_try_advisory_xact_lock(hashtextextended("
                  "'messenger.conference-room-reaper.recorder', 0))")
         ).scalar()  # fmt: skip
         assert held
-        stop_pass = StopPass(settings, engine=engine, bus=wired_bus(settings, engine))
         assert stop_pass.running()
         sent = stop_pass.run()
-    assert sent.skipped and sent.requested == 0 and recorder.calls == []
-    assert len(log_events(caplog, "recorder.pass_skipped")) == 1
+        assert sent.skipped and sent.requested == 0 and recorder.calls == []
+        assert len(log_events(caplog, "recorder.pass_skipped")) == 1
+        beside = StopPass(settings, engine=engine, bus=bus, exclusive=False).run()
+        assert (beside.skipped, beside.taken) == (False, 1)
     assert not stop_pass.running()
-    assert stop_pass.run().taken == 1
     assert stop_requested(engine)[rec["id"]] is not None
+    assert stop_pass.run().requested == 0  # taken: never sent again
+    assert len(recorder.calls) == 1
 
 
 def test_a_pass_whose_database_fails_logs_it_and_raises_nothing(settings, recorder, caplog):
