@@ -17,20 +17,34 @@ from sqlalchemy import Connection, Row, TextClause, text
 from reaper.budgets import KEEPALIVE_PROBES, Budget
 
 QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
-_HEADER = re.compile(r"^-- name: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
+_HEADER = re.compile(r"^-- (?P<kind>name|fragment): (?P<name>[a-z_]+)\s*$", re.MULTILINE)
+_INCLUDE = re.compile(r"^-- include: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
 
 
 def parse(source: str) -> dict[str, str]:
-    """Split a ``-- name: x`` annotated file into ``{name: sql}``."""
+    """Split a ``-- name: x`` annotated file into ``{name: sql}``.
+
+    A ``-- fragment: y`` block is SQL written once for several queries: a line
+    ``-- include: y`` in a query stands for it (the fence and the roster locks
+    of the phase statements, say), so one rule has one text.
+    """
     headers = list(_HEADER.finditer(source))
-    queries: dict[str, str] = {}
+    blocks: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
     for header, following in zip(headers, [*headers[1:], None], strict=True):
         end = following.start() if following else len(source)
-        name = header["name"]
-        if name in queries:
-            raise ValueError(f"query {name!r} is defined twice in {QUERIES_FILE.name}")
-        queries[name] = source[header.end() : end].strip()
-    return queries
+        kind, name = header["kind"], header["name"]
+        if name in blocks[kind]:
+            raise ValueError(f"{kind} {name!r} is defined twice in {QUERIES_FILE.name}")
+        blocks[kind][name] = source[header.end() : end].strip()
+    fragments = blocks["fragment"]
+
+    def include(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in fragments:
+            raise ValueError(f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}")
+        return fragments[name]
+
+    return {name: _INCLUDE.sub(include, sql) for name, sql in blocks["name"].items()}
 
 
 @cache
