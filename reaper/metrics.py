@@ -82,6 +82,7 @@ EXPORTED = (
     "messenger_conf_reaper_cycle_duration_seconds",
     "messenger_conf_reaper_items_total",
     "messenger_conf_reaper_active_backlog",
+    "messenger_conf_reaper_activity_ahead",
     "messenger_conf_reaper_skip_locked_total",
     "messenger_conf_reaper_errors_total",
     "messenger_conf_reaper_closing_lateness_seconds",
@@ -129,6 +130,13 @@ class _Metrics:
         self.backlog = Gauge(
             "messenger_conf_reaper_active_backlog",
             "Active or Provisioning conferences already past their phase's window.",
+            multiprocess_mode="mostrecent",
+            registry=r,
+        )
+        self.activity_ahead = Gauge(
+            "messenger_conf_reaper_activity_ahead",
+            "Active conferences whose last_activity_at is later than the database's clock"
+            " (infinity included): held, never closed until an operator decides.",
             multiprocess_mode="mostrecent",
             registry=r,
         )
@@ -405,6 +413,7 @@ def _stop_signals(fact: StopSignalsSent) -> None:
 def _gauges(fact: GaugesMeasured) -> None:
     m = _m()
     m.backlog.set(fact.active_backlog)
+    m.activity_ahead.set(fact.activity_ahead)
     for phase in PHASE_NAMES:
         m.paused.labels(phase=phase).set(1 if phase in fact.paused else 0)
     _set_outbox(m, fact.outbox_pending, fact.outbox_oldest_pending_age_seconds,
