@@ -293,7 +293,8 @@ def plan(
 ) -> dict[str, Any]:
     """What a cycle at ``as_of`` (default: the database's clock now) would close."""
     with transaction(engine, budgets.read(settings)) as queries:
-        as_of = as_of or queries.database_clock()
+        now = queries.database_clock()
+        as_of = as_of or now
         counted = census(queries, settings, as_of)
         rows = queries.plan_candidates(
             as_of=as_of,
@@ -303,7 +304,6 @@ def plan(
         )
         active = queries.active_count()
         paused = {row.phase: row.reason for row in queries.active_pauses()}
-        now = queries.database_clock()
         ahead_count = activity_ahead_count(queries, now)
         ahead = queries.activity_ahead(now, now + ACTIVITY_AHEAD_TOLERANCE, per_phase)
     phases: dict[str, dict[str, Any]] = {}
