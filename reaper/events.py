@@ -237,8 +237,8 @@ class StopSignalsSent:
 
 @dataclass(frozen=True, slots=True)
 class GaugesMeasured:
-    """What the database says now: the census behind active_backlog, the outbox,
-    the last completed run."""
+    """What the database says now: the census behind active_backlog, the rooms
+    whose activity is ahead of the clock, the outbox, the last completed run."""
 
     active_backlog: int
     outbox_pending: int
@@ -247,6 +247,9 @@ class GaugesMeasured:
     paused: tuple[str, ...]  # the phases paused now
     # when a run last completed, whichever replica ran it (None: never)
     last_run_completed_at: datetime | None = None
+    # Active rooms whose last_activity_at is ahead of the database's clock: held
+    # (docs/design.md#anomalies)
+    activity_ahead: int = 0
 
 
 # -- the operator ---------------------------------------------------------------

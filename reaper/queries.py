@@ -465,3 +465,13 @@ class Queries:
     def last_run_completed(self) -> Row | None:
         """``finished_at`` and ``age_seconds`` of the last completed run, or None."""
         return _run(self.conn, "last_run_completed").one_or_none()
+
+    # -- anomalies (docs/design.md#anomalies) ------------------------------------
+
+    def activity_ahead_count(self, ahead_of: datetime) -> int:
+        """Active conferences whose last_activity_at is later than ``ahead_of``."""
+        return int(_run(self.conn, "activity_ahead_count", ahead_of=ahead_of).scalar_one())
+
+    def activity_ahead(self, now: datetime, ahead_of: datetime, limit: int) -> list[Row]:
+        """Those conferences, the furthest ahead first (reaper plan)."""
+        return list(_run(self.conn, "activity_ahead", now=now, ahead_of=ahead_of, limit=limit))

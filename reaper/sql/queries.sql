@@ -972,3 +972,30 @@ FROM messenger.reaper_runs
 WHERE finished_at IS NOT NULL AND outcome = 'completed'
 ORDER BY finished_at DESC
 LIMIT 1;
+
+-- name: activity_ahead_count
+-- Active conferences whose last_activity_at is later than :ahead_of (the
+-- database's clock plus a tolerance), +infinity included: no cut-off reaches
+-- them, so no phase selects them; they are held and alerted
+-- (docs/design.md#anomalies). messenger_conf_reaper_activity_ahead, reaper
+-- status and reaper plan. A range of ix_conf_active from :ahead_of up, which
+-- holds only such rooms: it costs what they cost, never what the live rooms
+-- do. (-infinity is earlier than every cut-off: those rooms are closed.)
+SELECT count(*)
+FROM messenger.conference_sessions s
+WHERE s.status = 'Active' AND s.last_activity_at > CAST(:ahead_of AS timestamptz);
+
+-- name: activity_ahead
+-- reaper plan: those conferences, the furthest ahead first, at most :limit.
+-- ahead_seconds is NULL for +infinity (an interval cannot hold it).
+SELECT s.id AS conference_id, s.chat_id, s.deal_id, s.tenant_id,
+       s.active_participant_count,
+       NOT isfinite(s.last_activity_at) AS infinite,
+       CASE WHEN isfinite(s.last_activity_at) THEN s.last_activity_at END AS last_activity_at,
+       CASE WHEN isfinite(s.last_activity_at)
+            THEN extract(epoch FROM s.last_activity_at - CAST(:now AS timestamptz))
+       END AS ahead_seconds
+FROM messenger.conference_sessions s
+WHERE s.status = 'Active' AND s.last_activity_at > CAST(:ahead_of AS timestamptz)
+ORDER BY s.last_activity_at DESC, s.id
+LIMIT :limit;
