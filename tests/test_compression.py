@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from reaper.kafka import ProducerSlot, producer_config
 from reaper.relay import Relay
 from tests.support import factory as f
 from tests.support.factory import T0
+from tests.support.facts import log_events
 from tests.support.kafka import create_topic, read_topic
 
 # The roster rows an event lists at most (reaper/sql/queries.sql, end_active_batch).
@@ -231,8 +233,9 @@ def read_with_librdkafka(bootstrap: str, topic: str, expect: int) -> list[tuple[
 
 
 def test_a_room_with_12000_roster_rows_reaches_kafka_read_by_kafka_python_and_librdkafka(
-    engine, slot, kafka_broker, topic
+    engine, slot, kafka_broker, topic, caplog
 ):
+    caplog.set_level(logging.INFO, "reaper")
     settings = slot.settings
     room = huge_room(engine, 12_000, open_rows=40)
     assert Reaper(settings, engine=engine).run_cycle(T0)["stale_timeout_count"] == 1
@@ -241,6 +244,7 @@ def test_a_room_with_12000_roster_rows_reaches_kafka_read_by_kafka_python_and_li
 
     result = Relay(settings, engine=engine, producers=slot).run()
     assert (result.published, result.failed, result.parked) == (1, 0, 0)
+    assert log_events(caplog, "kafka.producer_created")[-1]["compression"] == "zstd"
     # what went on the wire was compressed (kafka-python's producer metrics)
     rate = slot.get().metrics()["producer-metrics"]["compression-rate-avg"]
     assert 0 < rate < 0.5
