@@ -340,18 +340,25 @@ integration AS (
                    'durationSeconds', e.duration_seconds,
                    'peakParticipantCount', e.peak_participant_count,
                    'participants', coalesce(roster.list, '[]'::jsonb),
+                   'participantsOmitted', coalesce(roster.omitted, 0),
                    'wasRecorded', e.latest_id IS NOT NULL,
                    'recordingId', e.latest_id)),
            now()
     FROM ended_recordings e
+    -- The event lists at most the first 20000 roster rows by joinedAt and says how
+    -- many it left out: an unbounded roster would make a record some limit refuses
+    -- (docs/design.md#the-kafka-event); 20000 rows fit the broker's default 1 MiB
+    -- compressed with zstd, with a third to spare (docs/performance.md#compression).
     LEFT JOIN LATERAL (
         SELECT jsonb_agg(jsonb_build_object(
                    'userId', p.user_id,
                    'joinedAt', messenger.rfc3339(p.joined_at),
                    'leftAt', messenger.rfc3339(coalesce(p.left_at, greatest(CAST(:as_of AS timestamptz), p.joined_at))))
-               ORDER BY p.joined_at, p.id) AS list
-        FROM messenger.conference_participants p
-        WHERE p.conference_id = e.id
+               ORDER BY p.joined_at, p.id) FILTER (WHERE p.n <= 20000) AS list,
+               greatest(count(*) - 20000, 0) AS omitted
+        FROM (SELECT p.*, row_number() OVER (ORDER BY p.joined_at, p.id) AS n
+              FROM messenger.conference_participants p
+              WHERE p.conference_id = e.id) p
     ) roster ON true
     ORDER BY e.ended_at, e.last_activity_at
 ),
