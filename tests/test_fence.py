@@ -141,13 +141,7 @@ def test_a_phase_whose_lock_session_ends_stops_and_counts_what_it_committed(sett
         if killed.is_set() or fact.phase != "empty_room":
             return
         killed.set()
-        with engine.begin() as conn:
-            conn.execute(
-                text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
-                    " AND objsubid = 1 AND granted AND pid <> pg_backend_pid()"
-                )
-            )
+        end_lock_sessions(engine)
 
     bus.subscribe(BatchCommitted, end_lock_session)
     metrics.subscribe(bus)
@@ -181,6 +175,9 @@ def end_lock_sessions(engine: Engine) -> int:
                 text(
                     "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
                     " AND objsubid = 1 AND granted AND pid <> pg_backend_pid()"
+                    # this test's database only: the cluster may serve others
+                    " AND database = (SELECT oid FROM pg_database"
+                    " WHERE datname = current_database())"
                 )
             ).all()
         )
