@@ -33,6 +33,7 @@ integration AS (
                    'durationSeconds', e.duration_seconds,
                    'peakParticipantCount', e.peak_participant_count,
                    'participants', coalesce(ros.list, '[]'::jsonb),
+                   'participantsOmitted', coalesce(ros.omitted, 0),
                    'wasRecorded', rec.id IS NOT NULL,
                    'recordingId', rec.id)),
            now()
@@ -43,9 +44,11 @@ integration AS (
                    'joinedAt', messenger.rfc3339(p.joined_at),
                    'leftAt', messenger.rfc3339(
                        coalesce(p.left_at, greatest(%(as_of)s, p.joined_at))))
-               ORDER BY p.joined_at, p.id) AS list
-        FROM messenger.conference_participants p
-        WHERE p.conference_id = e.id
+               ORDER BY p.joined_at, p.id) FILTER (WHERE p.n <= 20000) AS list,
+               greatest(count(*) - 20000, 0) AS omitted
+        FROM (SELECT p.*, row_number() OVER (ORDER BY p.joined_at, p.id) AS n
+              FROM messenger.conference_participants p
+              WHERE p.conference_id = e.id) p
     ) ros ON true
     LEFT JOIN LATERAL (
         SELECT r.id FROM messenger.call_recordings r

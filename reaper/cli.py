@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from reaper import logs
@@ -54,6 +55,9 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    as_of = _as_of(args)
+    if isinstance(as_of, str):
+        return _refuse(as_of)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         # finish the batch in flight, then stop: never leave one half-done
@@ -76,7 +80,7 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     finished: list[CycleFinished] = []
     reaper.bus.subscribe(CycleFinished, finished.append)
     try:
-        result = reaper.run_cycle(args.as_of)
+        result = reaper.run_cycle(as_of)
     except AsOfRefused as exc:
         print(f"reaper: {exc}", file=sys.stderr)
         return 2
@@ -140,17 +144,31 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_plan(settings: Settings, args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from reaper.clock import parse_time
     from reaper.db import engine_of
     from reaper.overview import format_plan, plan
 
-    as_of = parse_time(args.as_of) if args.as_of else None
+    as_of = _as_of(args)
+    if isinstance(as_of, str):
+        return _refuse(as_of)
     try:
         data = plan(engine_of(settings), settings, as_of, args.limit)
     except SQLAlchemyError as exc:
         return _database_failed(settings, exc)
     print(json.dumps(data, sort_keys=True) if args.json else format_plan(data))
     return 0
+
+
+def _as_of(args: argparse.Namespace) -> datetime | str | None:
+    """``--as-of`` parsed (None when not given), or why it is refused: checked
+    before anything else, so a bad one is one line and exit 2."""
+    from reaper.clock import parse_as_of
+
+    if args.as_of is None:
+        return None
+    try:
+        return parse_as_of(args.as_of)
+    except ValueError as exc:
+        return f"--as-of: {exc}"
 
 
 def _refuse(message: str) -> int:

@@ -31,6 +31,37 @@ def parse_time(value: str | datetime) -> datetime:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
+# A hand-given as_of (``--as-of``) lies from 1970 to the end of 9998, in UTC. No
+# conference is older than 1970, and near the ends of what a datetime holds the
+# cut-offs (as_of minus a window) or the conversion to UTC would not fit.
+AS_OF_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+AS_OF_LATEST = datetime(9999, 1, 1, tzinfo=UTC)
+
+
+def parse_as_of(value: str) -> datetime:
+    """A hand-given as_of: RFC 3339 (without an offset it is UTC), in the range
+    above; otherwise ValueError, whose message is one line saying why."""
+    if not value.strip():
+        raise ValueError("is empty: give a moment, RFC 3339 (e.g. 2026-12-02T10:00:00Z)")
+    try:
+        parsed = parse_time(value)
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is not a moment: RFC 3339 expected (e.g. 2026-12-02T10:00:00Z)"
+        ) from None
+    out_of_range = ValueError(
+        f"{value!r} is out of range: from {rfc3339(AS_OF_EARLIEST)} "
+        f"to before {rfc3339(AS_OF_LATEST)}"
+    )
+    try:
+        in_utc = parsed.astimezone(UTC)
+    except OverflowError:  # e.g. 9999-12-31T23:00:00-05:00 is in the year 10000 in UTC
+        raise out_of_range from None
+    if not AS_OF_EARLIEST <= in_utc < AS_OF_LATEST:
+        raise out_of_range
+    return parsed
+
+
 def rfc3339(value: datetime) -> str:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 

@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
+from kafka import codec as kafka_codec
 from pydantic import (
     AfterValidator,
     BeforeValidator,
@@ -105,6 +106,24 @@ Duration = Annotated[timedelta, BeforeValidator(_duration), AfterValidator(_posi
 OUTBOX_RETENTION_FLOOR = timedelta(hours=1)
 
 
+# The package kafka-python needs for a codec (gzip needs none): zstandard is a
+# dependency of the project, the default codec's; another is the operator's to
+# install.
+COMPRESSION_PACKAGES = {"snappy": "python-snappy", "lz4": "lz4", "zstd": "zstandard"}
+
+
+def compression_available(codec: str) -> bool:
+    """Whether kafka-python can compress with ``codec`` in this installation."""
+    checks = {
+        "none": lambda: True,
+        "gzip": kafka_codec.has_gzip,
+        "snappy": kafka_codec.has_snappy,
+        "lz4": kafka_codec.has_lz4,
+        "zstd": kafka_codec.has_zstd,
+    }
+    return checks[codec]()
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
@@ -153,7 +172,14 @@ class Settings(BaseSettings):
     # A row that failed this often is parked (docs/design.md#parked-events).
     relay_max_attempts: int = Field(20, ge=1, le=1_000)
     # The producer's max_request_size: a larger record is refused, and parked.
-    kafka_max_request_size: int = Field(1_048_576, ge=1_024, le=100 * 1_048_576)
+    # kafka-python checks a record's size before compression; the broker checks
+    # the compressed batch against its own limit (1 MiB by default). 4 MiB takes
+    # the largest event (a roster of 20000 rows, about 2.7 MB), which zstd makes
+    # about 0.7 MB on the wire (docs/performance.md#compression).
+    kafka_max_request_size: int = Field(4 * 1_048_576, ge=1_024, le=100 * 1_048_576)
+    # The codec of every batch the producer sends (docs/design.md#the-kafka-event):
+    # consumers' clients must support it.
+    kafka_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "zstd"
     outbox_retention: Duration = timedelta(days=7)
     polling_interval: Duration = timedelta(seconds=30)
     empty_room_grace: Duration = timedelta(seconds=90)
@@ -210,6 +236,11 @@ class Settings(BaseSettings):
                 "REAPER_KAFKA_SECURITY_PROTOCOL: "
                 f"{self.kafka_security_protocol} needs REAPER_KAFKA_SASL_MECHANISM, "
                 "REAPER_KAFKA_SASL_USERNAME and REAPER_KAFKA_SASL_PASSWORD"
+            )
+        if not compression_available(self.kafka_compression):
+            raise ValueError(
+                f"REAPER_KAFKA_COMPRESSION: {self.kafka_compression} needs the Python package "
+                f"{COMPRESSION_PACKAGES[self.kafka_compression]}, which is not installed"
             )
         if self.relay_backoff_initial > self.relay_backoff_max:
             raise ValueError(

@@ -220,6 +220,9 @@ class Reaper:
                 time.time_ns(),
                 reaped=run.counts[phase.count_key] - before[phase.count_key],
             )
+        except BaseException:  # a soft time limit: free the lock now, not a lease later
+            claim.release()
+            raise
         lost = claim.release()
         if lost is not None:
             self.bus.emit(LockLost(run_id, phase.name, lost))

@@ -256,8 +256,8 @@ class StopPassCompleted:
 
 @dataclass(frozen=True, slots=True)
 class GaugesMeasured:
-    """What the database says now: the census behind active_backlog, the outbox,
-    the last completed run."""
+    """What the database says now: the census behind active_backlog, the rooms
+    whose activity is ahead of the clock, the outbox, the last completed run."""
 
     active_backlog: int
     outbox_pending: int
@@ -266,6 +266,9 @@ class GaugesMeasured:
     paused: tuple[str, ...]  # the phases paused now
     # when a run last completed, whichever replica ran it (None: never)
     last_run_completed_at: datetime | None = None
+    # Active rooms whose last_activity_at is ahead of the database's clock: held
+    # (docs/design.md#anomalies)
+    activity_ahead: int = 0
 
 
 # -- the operator ---------------------------------------------------------------

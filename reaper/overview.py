@@ -93,12 +93,28 @@ def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
     return Census(as_of, phases)
 
 
+# A room whose last_activity_at is later than the database's clock by more than
+# this is an anomaly (docs/design.md#anomalies): held, reported and alerted. A
+# writer whose clock is a little ahead stamps busy rooms just ahead all the
+# time, which only delays their closing by as much; the tolerance is the one a
+# hand-given as_of has (runs.AS_OF_TOLERANCE), so such jitter is not reported.
+ACTIVITY_AHEAD_TOLERANCE = timedelta(seconds=5)
+
+
+def activity_ahead_count(queries: Queries, now: datetime) -> int:
+    """Active rooms whose last_activity_at is ahead of the database's clock ``now``
+    (+infinity included): no phase ever selects them."""
+    return queries.activity_ahead_count(now + ACTIVITY_AHEAD_TOLERANCE)
+
+
 def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
-    """active_backlog, the outbox gauges and the last completed run, as the database
-    says now; None if it failed."""
+    """active_backlog, activity_ahead, the outbox gauges and the last completed run,
+    as the database says now; None if it failed."""
     try:
         with transaction(engine, budgets.read(settings)) as queries:
-            result = census(queries, settings, queries.database_clock())
+            now = queries.database_clock()
+            result = census(queries, settings, now)
+            ahead = activity_ahead_count(queries, now)
             pending, oldest, parked = queries.outbox_pending_stats()
             paused = tuple(row.phase for row in queries.active_pauses())
             last_run = queries.last_run_completed()
@@ -106,7 +122,9 @@ def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
         log(logger, "metrics.refresh_failed", level=30, error=describe(exc))
         return None
     completed_at = last_run.finished_at if last_run is not None else None
-    return GaugesMeasured(result.backlog, pending, oldest, parked, paused, completed_at)
+    return GaugesMeasured(
+        result.backlog, pending, oldest, parked, paused, completed_at, activity_ahead=ahead
+    )
 
 
 # -- reaper status -----------------------------------------------------------
@@ -116,6 +134,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
     with transaction(engine, budgets.read(settings)) as queries:
         now = queries.database_clock()
         result = census(queries, settings, now)
+        ahead = activity_ahead_count(queries, now)
         pending, oldest, parked = queries.outbox_pending_stats()
         pid = queries.run_lock_holder()
         activity = queries.backend_activity(pid) if pid is not None else None
@@ -143,6 +162,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
             for name, p in result.phases.items()
         },
         "active_backlog": result.backlog,
+        "activity_ahead": ahead,
         "outbox": {
             "pending": pending,
             "oldest_pending_age_seconds": _round(oldest),
@@ -197,6 +217,11 @@ def format_status(data: dict[str, Any]) -> str:
         oldest = "-" if overdue is None else f"{human(overdue)} (eligible since {since})"
         lines.append(f"{name:<18} {p['eligible']:>8}  {oldest}")
     lines.append(f"{'active backlog':<18} {data['active_backlog']:>8}")
+    if data["activity_ahead"]:
+        lines.append(
+            f"{'activity ahead':<18} {data['activity_ahead']:>8}  Active with last_activity_at"
+            " later than the database's clock: never closed (reaper plan lists them; runbook)"
+        )
     lines.append("")
     outbox = data["outbox"]
     age = human(outbox["oldest_pending_age_seconds"] or 0) if outbox["pending"] else "-"
@@ -268,7 +293,8 @@ def plan(
 ) -> dict[str, Any]:
     """What a cycle at ``as_of`` (default: the database's clock now) would close."""
     with transaction(engine, budgets.read(settings)) as queries:
-        as_of = as_of or queries.database_clock()
+        now = queries.database_clock()
+        as_of = as_of or now
         counted = census(queries, settings, as_of)
         rows = queries.plan_candidates(
             as_of=as_of,
@@ -278,6 +304,8 @@ def plan(
         )
         active = queries.active_count()
         paused = {row.phase: row.reason for row in queries.active_pauses()}
+        ahead_count = activity_ahead_count(queries, now)
+        ahead = queries.activity_ahead(now, now + ACTIVITY_AHEAD_TOLERANCE, per_phase)
     phases: dict[str, dict[str, Any]] = {}
     for name in ORDER:
         p = counted.phases[name]
@@ -323,6 +351,25 @@ def plan(
         "as_of": rfc3339(as_of),
         "phases": phases,
         "would_close": sum(p["would_close"] for p in phases.values()),
+        "activity_ahead": {
+            "database_clock": rfc3339(now),
+            "count": ahead_count,
+            "truncated": ahead_count > len(ahead),
+            "conferences": [_ahead(row) for row in ahead],
+        },
+    }
+
+
+def _ahead(row: Any) -> dict[str, Any]:
+    """A room held for its activity ahead of the clock (activity_ahead)."""
+    return {
+        "conference_id": str(row.conference_id),
+        "chat_id": str(row.chat_id),
+        "deal_id": str(row.deal_id),
+        "tenant_id": str(row.tenant_id),
+        "last_activity_at": "infinity" if row.infinite else rfc3339(row.last_activity_at),
+        "ahead_seconds": _round(row.ahead_seconds),
+        "active_participant_count": row.active_participant_count,
     }
 
 
@@ -340,6 +387,18 @@ def format_plan(data: dict[str, Any]) -> str:
         if p["truncated"]:
             lines.append(f"  ... {p['eligible'] - len(p['conferences'])} more (--limit)")
     lines.append(f"\ntotal: {data['would_close']} would close")
+    ahead = data["activity_ahead"]
+    if ahead["count"]:
+        lines.append(
+            f"\nheld, never closed: {ahead['count']} Active with last_activity_at later than"
+            f" the database's clock ({ahead['database_clock']}); an operator decides (runbook)"
+        )
+        for c in ahead["conferences"]:
+            when = c["last_activity_at"]
+            by = "" if c["ahead_seconds"] is None else f", {human(c['ahead_seconds'])} ahead"
+            lines.append(f"  {c['conference_id']}  deal {c['deal_id']}  last activity {when}{by}")
+        if ahead["truncated"]:
+            lines.append(f"  ... {ahead['count'] - len(ahead['conferences'])} more (--limit)")
     return "\n".join(lines)
 
 

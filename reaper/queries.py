@@ -17,20 +17,34 @@ from sqlalchemy import Connection, Row, TextClause, text
 from reaper.budgets import KEEPALIVE_PROBES, Budget
 
 QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
-_HEADER = re.compile(r"^-- name: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
+_HEADER = re.compile(r"^-- (?P<kind>name|fragment): (?P<name>[a-z_]+)\s*$", re.MULTILINE)
+_INCLUDE = re.compile(r"^-- include: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
 
 
 def parse(source: str) -> dict[str, str]:
-    """Split a ``-- name: x`` annotated file into ``{name: sql}``."""
+    """Split a ``-- name: x`` annotated file into ``{name: sql}``.
+
+    A ``-- fragment: y`` block is SQL written once for several queries: a line
+    ``-- include: y`` in a query stands for it (the fence and the roster locks
+    of the phase statements, say), so one rule has one text.
+    """
     headers = list(_HEADER.finditer(source))
-    queries: dict[str, str] = {}
+    blocks: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
     for header, following in zip(headers, [*headers[1:], None], strict=True):
         end = following.start() if following else len(source)
-        name = header["name"]
-        if name in queries:
-            raise ValueError(f"query {name!r} is defined twice in {QUERIES_FILE.name}")
-        queries[name] = source[header.end() : end].strip()
-    return queries
+        kind, name = header["kind"], header["name"]
+        if name in blocks[kind]:
+            raise ValueError(f"{kind} {name!r} is defined twice in {QUERIES_FILE.name}")
+        blocks[kind][name] = source[header.end() : end].strip()
+    fragments = blocks["fragment"]
+
+    def include(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in fragments:
+            raise ValueError(f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}")
+        return fragments[name]
+
+    return {name: _INCLUDE.sub(include, sql) for name, sql in blocks["name"].items()}
 
 
 @cache
@@ -451,3 +465,13 @@ class Queries:
     def last_run_completed(self) -> Row | None:
         """``finished_at`` and ``age_seconds`` of the last completed run, or None."""
         return _run(self.conn, "last_run_completed").one_or_none()
+
+    # -- anomalies (docs/design.md#anomalies) ------------------------------------
+
+    def activity_ahead_count(self, ahead_of: datetime) -> int:
+        """Active conferences whose last_activity_at is later than ``ahead_of``."""
+        return int(_run(self.conn, "activity_ahead_count", ahead_of=ahead_of).scalar_one())
+
+    def activity_ahead(self, now: datetime, ahead_of: datetime, limit: int) -> list[Row]:
+        """Those conferences, the furthest ahead first (reaper plan)."""
+        return list(_run(self.conn, "activity_ahead", now=now, ahead_of=ahead_of, limit=limit))

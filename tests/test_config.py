@@ -16,7 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from reaper.config import ENV_PREFIX, ConfigError, Settings, load_settings
+from reaper.config import (
+    COMPRESSION_PACKAGES,
+    ENV_PREFIX,
+    ConfigError,
+    Settings,
+    load_settings,
+)
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +61,7 @@ INVALID: dict[str, list[str]] = {
     "RELAY_BACKOFF_MAX": BAD_DURATIONS,
     "RELAY_MAX_ATTEMPTS": ["0", "-1", "1001", "many", "1.5", ""],
     "KAFKA_MAX_REQUEST_SIZE": ["0", "1023", "104857601", "1MB", "1.5", ""],
+    "KAFKA_COMPRESSION": ["", "ZSTD", "brotli", "lz4hc", "true", "None", "gzip,zstd"],
     "OUTBOX_RETENTION": BAD_DURATIONS,
     "POLLING_INTERVAL": BAD_DURATIONS,
     "EMPTY_ROOM_GRACE": BAD_DURATIONS,
@@ -119,6 +126,9 @@ VALID: list[dict[str, str]] = [
     {"DATABASE_URL": "postgresql://u:p%40ss@db:5432/reaper?sslmode=verify-full"},
     {"BROKER_URL": "rediss://:pw@redis:6380/1", "BROKER_KEY_PREFIX": "{reaper}:"},
     {"KAFKA_BOOTSTRAP_SERVERS": " a:9092 , b:9093 ", "CONFERENCE_ENDED_TOPIC": "x.y-z_1"},
+    {"KAFKA_COMPRESSION": "none"},
+    {"KAFKA_COMPRESSION": "gzip"},
+    {"KAFKA_COMPRESSION": "zstd"},
 ]
 
 
@@ -163,6 +173,22 @@ def test_invalid_value_is_refused_with_one_line_naming_it(monkeypatch, case):
     assert "\n" not in message
     assert ENV_PREFIX + variable in message
     assert SECRET not in message
+
+
+@pytest.mark.parametrize("codec", ["snappy", "lz4", "zstd"])
+def test_a_codec_without_its_package_is_refused_at_start(monkeypatch, codec):
+    from kafka import codec as kafka_codec
+
+    # kafka-python's own check says the package is missing, as on a machine
+    # where it is not installed
+    monkeypatch.setattr(kafka_codec, f"has_{codec}", lambda: False)
+    set_env(monkeypatch, {"KAFKA_COMPRESSION": codec})
+    with pytest.raises(ConfigError) as refused:
+        load_settings()
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "REAPER_KAFKA_COMPRESSION" in message
+    assert COMPRESSION_PACKAGES[codec] in message
 
 
 @pytest.mark.parametrize("env", VALID, ids=[case_id((v, "")) for v in VALID])

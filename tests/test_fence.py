@@ -14,10 +14,10 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
 
-from reaper import budgets
+from reaper import budgets, metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from reaper.events import BatchCommitted, Bus, LockLost, PhaseFailed
+from reaper.events import BatchCommitted, Bus, LockLost, PhaseCompleted, PhaseFailed
 from reaper.phases import EMPTY_ROOM, reap_batch
 from reaper.queries import Queries
 from reaper.runs import Runs
@@ -26,6 +26,7 @@ from tests.support.factory import T0
 from tests.support.facts import FactRecorder
 
 LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0))"
+ERRORS = "messenger_conf_reaper_errors_total"
 
 
 def open_run(engine: Engine, settings: Settings) -> str:
@@ -140,15 +141,11 @@ def test_a_phase_whose_lock_session_ends_stops_and_counts_what_it_committed(sett
         if killed.is_set() or fact.phase != "empty_room":
             return
         killed.set()
-        with engine.begin() as conn:
-            conn.execute(
-                text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
-                    " AND objsubid = 1 AND granted AND pid <> pg_backend_pid()"
-                )
-            )
+        end_lock_sessions(engine)
 
     bus.subscribe(BatchCommitted, end_lock_session)
+    metrics.subscribe(bus)
+    errors_before = metrics.sample(ERRORS)
     cycle = reaper.start(T0)
     phase = reaper.run_phase("empty_room", cycle.run_id)
     result = reaper.finish(cycle.run_id)
@@ -157,6 +154,8 @@ def test_a_phase_whose_lock_session_ends_stops_and_counts_what_it_committed(sett
     [failed] = facts.of(PhaseFailed)
     assert "RunLost" in failed.error and "fenced off" in failed.error
     assert len(facts.of(LockLost)) == 1
+    # the failed phase and the lost lock, one error each
+    assert metrics.sample(ERRORS) - errors_before == 2
     committed = ended(engine)
     assert 0 < committed < 400  # stopped mid-drain
     assert phase["empty_timeout_count"] == result["empty_timeout_count"] == committed
@@ -166,3 +165,47 @@ def test_a_phase_whose_lock_session_ends_stops_and_counts_what_it_committed(sett
             {"r": cycle.run_id},
         ).one()
     assert saved.counts["empty_timeout_count"] == committed and saved.errors == 1
+
+
+def end_lock_sessions(engine: Engine) -> int:
+    """The server ends every session holding the run lock, as it ends a silent one."""
+    with engine.begin() as conn:
+        return len(
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND objsubid = 1 AND granted AND pid <> pg_backend_pid()"
+                    # this test's database only: the cluster may serve others
+                    " AND database = (SELECT oid FROM pg_database"
+                    " WHERE datname = current_database())"
+                )
+            ).all()
+        )
+
+
+def test_a_lock_lost_after_the_last_batch_is_counted_in_errors_total(settings, engine):
+    """The lock session ends after the phase's only batch has committed: the phase
+    completes (its rooms are closed) but lost its lock on the way out; that is
+    `lock.lost` and one error in messenger_conf_reaper_errors_total, although no
+    phase failed."""
+    with engine.begin() as conn:
+        f.bulk_conferences(conn, 5)
+    settings = settings.model_copy(update={"batch_size": 10, "drain_lanes": 1})
+    bus = Bus()
+    facts = FactRecorder(bus, PhaseCompleted, PhaseFailed, LockLost)
+    metrics.subscribe(bus)
+    reaper = Reaper(settings, engine=engine, bus=bus)
+    terminated: list[int] = []
+    # the only batch is short: the drain ends after its report, then the phase releases
+    bus.subscribe(BatchCommitted, lambda fact: terminated.append(end_lock_sessions(engine)))
+    errors_before = metrics.sample(ERRORS)
+    cycle = reaper.start(T0)
+    phase = reaper.run_phase("empty_room", cycle.run_id)
+    facts.close()
+    assert terminated == [1]
+    assert phase["empty_timeout_count"] == 5 and ended(engine) == 5
+    assert facts.of(PhaseFailed) == []
+    assert [c.phase for c in facts.of(PhaseCompleted)] == ["empty_room"]
+    [lost] = facts.of(LockLost)
+    assert lost.phase == "empty_room" and lost.run_id == cycle.run_id
+    assert metrics.sample(ERRORS) - errors_before == 1

@@ -126,6 +126,7 @@ def test_empty_room_ends_with_event_and_realtime_row(settings, engine, caplog):
                     "leftAt": "2026-12-02T10:00:00Z",
                 },
             ],
+            "participantsOmitted": 0,
             "wasRecorded": False,
             "recordingId": None,
         },

@@ -335,6 +335,9 @@ CENSUS: dict[str, set[str]] = {
     "eligible_census": {"ix_conf_empty_active", "ix_conf_provisioning", "ix_conf_active"},
     "stale_live_eligible": {"ix_conf_active"},
     "plan_candidates": {"ix_conf_empty_active", "ix_conf_provisioning", "ix_conf_active"},
+    # the rooms ahead of the clock: a range of ix_conf_active past the data's clock (T0)
+    "activity_ahead_count": {"ix_conf_active"},
+    "activity_ahead": {"ix_conf_active"},
 }
 
 
@@ -372,6 +375,9 @@ def test_census_statements_count_index_ranges_not_live_rooms(
         "cutoff": as_of - timedelta(hours=4),
         "excluded": [],
         "per_phase": 100,
+        "now": T0,  # the seeded rooms' clock: none of them is ahead of it
+        "ahead_of": T0 + timedelta(seconds=5),
+        "limit": 100,
     }
     with seeded.connect() as conn:
         if statement == "plan_candidates":

@@ -185,6 +185,7 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
                     "leftAt": "2026-12-02T09:58:00Z",
                 }
             ],
+            "participantsOmitted": 0,
             "wasRecorded": True,
             "recordingId": rec["id"],
         },

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection, Engine, RootTransaction, text
+from sqlalchemy import Engine, text
 
 from reaper.cycle import Reaper
 from tests.support import factory as f
@@ -37,26 +35,6 @@ def stale_rooms(engine: Engine, as_of=T0) -> list[dict[str, Any]]:
     return rooms
 
 
-@contextmanager
-def leave_holding(
-    engine: Engine, participant_id: int
-) -> Iterator[tuple[Connection, RootTransaction]]:
-    """A "leave" command between its two statements: its participant row locked
-    (FOR UPDATE), the room's update still to come."""
-    command = engine.connect()
-    tx = command.begin()
-    command.execute(
-        text("SELECT 1 FROM messenger.conference_participants WHERE id = :id FOR UPDATE"),
-        {"id": participant_id},
-    )
-    try:
-        yield command, tx
-    finally:
-        if tx.is_active:
-            tx.rollback()
-        command.close()
-
-
 def statuses(engine: Engine, rooms: list[dict[str, Any]]) -> dict[str, str]:
     with engine.connect() as conn:
         return {r["id"]: f.session_row(conn, r["id"])["status"] for r in rooms}
@@ -66,7 +44,7 @@ def test_a_held_roster_row_skips_its_room_and_the_rest_closes_at_once(settings, 
     settings = settings.model_copy(update=UNGUARDED)
     rooms = stale_rooms(engine)
     held = rooms[0]
-    with leave_holding(engine, held["participant"]):
+    with f.leave_holding(engine, held["participant"]):
         started = time.monotonic()
         result = Reaper(settings, engine=engine).run_cycle(T0)
         took = time.monotonic() - started
@@ -92,7 +70,7 @@ def test_a_held_room_does_not_end_its_phase_early(settings, engine):
     rooms = stale_rooms(engine)
     oldest = min(rooms, key=lambda r: r["last_activity_at"])
     settings = settings.model_copy(update={"batch_size": 1, **UNGUARDED})
-    with leave_holding(engine, oldest["participant"]):
+    with f.leave_holding(engine, oldest["participant"]):
         result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["stale_timeout_count"] == ROOMS - 1
     assert result["skipped_locked_count"] == 1
@@ -105,7 +83,7 @@ def test_a_leave_that_then_updates_its_room_goes_through(settings, engine):
     rooms = stale_rooms(engine)
     held = rooms[0]
     results: list[dict] = []
-    with leave_holding(engine, held["participant"]) as (command, tx):
+    with f.leave_holding(engine, held["participant"]) as (command, tx):
         cycle = threading.Thread(
             target=lambda: results.append(Reaper(settings, engine=engine).run_cycle(T0))
         )
@@ -135,7 +113,7 @@ def test_a_leave_that_then_updates_its_room_goes_through(settings, engine):
 @pytest.mark.process
 def test_reap_once_beside_a_held_roster_row_ends_in_seconds(engine, capsys):
     rooms = stale_rooms(engine, as_of=f.db_now(engine))
-    with leave_holding(engine, rooms[0]["participant"]):
+    with f.leave_holding(engine, rooms[0]["participant"]):
         started = time.monotonic()
         done = run_cli(
             "reap", "--once", "--json", env={"REAPER_MASS_CLOSURE_SHARE": "1"}, timeout=60

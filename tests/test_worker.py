@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -22,11 +23,14 @@ from reaper.cycle import Reaper
 from reaper.db import transaction
 from reaper.lock import holder
 from reaper.phases import EMPTY_ROOM, reap_batch
+from reaper.runs import Runs
 from tests.support import factory as f
 from tests.support.facts import count_events
 from tests.support.ports import free_port
 from tests.support.processes import ROOT, Worker, wait_until
 from tests.support.services import scrape
+
+RUN_LOCK_KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
 
 BIN = Path(sys.executable).parent
 
@@ -150,8 +154,7 @@ def test_beat_closes_rooms_within_the_slo(engine, tmp_path, phase):
         )
         with engine.connect() as conn:
             lateness = [
-                (f.session_row(conn, r["id"])["ended_at"] - r[since]).total_seconds()
-                for r in rooms
+                (f.session_row(conn, r["id"])["ended_at"] - r[since]).total_seconds() for r in rooms
             ]
         label = f'phase="{phase}"'
         histogram = wait_until(
@@ -208,9 +211,7 @@ def test_warm_shutdown_ends_after_the_batch_in_flight(engine, tmp_path, capsys):
         {"REAPER_POLLING_INTERVAL": "1", "REAPER_BATCH_SIZE": "200", "REAPER_DRAIN_LANES": "2"},
     )
     worker.start()
-    worker.wait_for(
-        lambda out: count_events(out, "batch.selected") >= 5, 60, "the drain under way"
-    )
+    worker.wait_for(lambda out: count_events(out, "batch.selected") >= 5, 60, "the drain under way")
     started = time.monotonic()
     rc = worker.stop(signal.SIGTERM, timeout=60)
     took = time.monotonic() - started
@@ -319,28 +320,37 @@ def test_two_runners_at_once_reap_each_room_exactly_once(database_url, engine):
 
 @pytest.mark.process
 def test_runners_bypassing_the_lock_still_reap_each_room_once(database_url, engine):
-    """Defence in depth: without the run lock, SKIP LOCKED and the status guard suffice.
-    Four runners take batches of one phase side by side, with no run and no lock."""
+    """Defence in depth: past the run lock, SKIP LOCKED and the status guard suffice.
+    Four runners take batches of one phase side by side under one fence (one open
+    run, one session holding the lock), as runners that slipped past the lock
+    would: nothing in the lock keeps them apart, only the rows do."""
     settings = Settings(database_url=database_url, batch_size=25)
     with engine.begin() as conn:
         f.bulk_conferences(conn, 2_000, as_of=f.T0)
+    run_id = str(uuid.uuid4())
+    assert Runs(engine, settings).take(run_id, f.T0).skipped is None
     per_runner = [0, 0, 0, 0]
 
-    def drain(index: int) -> None:
+    def drain(index: int, holder_pid: int) -> None:
         while True:  # keep going until nothing is left for anyone
             with transaction(engine, budgets.batch(settings)) as queries:
                 outcome = reap_batch(
-                    queries, EMPTY_ROOM, settings, as_of=f.T0, run_id=str(index), excluded=[]
-                )
+                    queries, EMPTY_ROOM, settings, as_of=f.T0, run_id=run_id,
+                    holder_pid=holder_pid, excluded=[],
+                )  # fmt: skip
+            assert not outcome.fenced
             per_runner[index] += len(outcome.reaped)
             if not outcome.claimed and not outcome.locked:
                 return
 
-    runners = [threading.Thread(target=drain, args=(i,)) for i in range(4)]
-    for runner in runners:
-        runner.start()
-    for runner in runners:
-        runner.join()
+    with engine.connect() as lock, lock.begin():
+        lock.execute(text(f"SELECT pg_advisory_xact_lock({RUN_LOCK_KEY})"))
+        holder = lock.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        runners = [threading.Thread(target=drain, args=(i, holder)) for i in range(4)]
+        for runner in runners:
+            runner.start()
+        for runner in runners:
+            runner.join()
     assert sum(per_runner) == 2_000
     assert consistent(engine) == (2_000, 2_000, 2_000)
-    print(f"\n[figures] 4 lock-less runners split 2000 rooms as {per_runner}")
+    print(f"\n[figures] 4 runners past the lock split 2000 rooms as {per_runner}")

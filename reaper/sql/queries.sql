@@ -179,27 +179,7 @@ WHERE s.status = 'Active'
 -- first one is above the floor (an incident, not every cycle), and reaper plan's.
 SELECT count(*) FROM messenger.conference_sessions WHERE status = 'Active';
 
--- name: end_active_batch
-WITH visible AS (
-    SELECT s.id
-    FROM messenger.conference_sessions s
-    WHERE s.status = 'Active'
-      -- the index range, to the widest cutoff (the header)
-      AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
-      -- the room's own cutoff: its tenant's window, else the default
-      AND s.last_activity_at <= coalesce(
-              CAST(:as_of AS timestamptz)
-              - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
-                             ELSE p.stale_live_timeout END
-                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-              CAST(:cutoff AS timestamptz))
-      AND (s.active_participant_count = 0 OR NOT :require_empty)
-      AND s.id <> ALL (CAST(:excluded AS uuid[]))
-      -- isolating a row the database refuses: these ids only (NULL: any)
-      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
-    ORDER BY s.status, s.last_activity_at
-    LIMIT :batch_size
-),
+-- fragment: fence
 -- The fence (docs/design.md#the-single-runner-lock): a batch claims rows only
 -- while its cycle owns the run and its phase's lock session still holds the
 -- single-runner lock (else the server or the network ended that session, and no
@@ -222,6 +202,48 @@ fence AS (
                 = (hashtextextended('messenger.conference-room-reaper', 0) & 4294967295))
     FOR KEY SHARE OF r
 ),
+
+-- fragment: roster_locks
+-- Open roster rows of the claimed rooms, locked without waiting. A room one of
+-- whose open rows a command holds (a "leave" locks its row, then updates the
+-- room) is left out of the batch, reported 'held', and closed by a later
+-- cycle: the batch never waits on a command's row and so can never deadlock
+-- with one, whatever order the command locks in (docs/design.md#lock-order).
+roster_claimed AS (
+    SELECT p.id, p.conference_id
+    FROM messenger.conference_participants p
+    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
+    FOR UPDATE SKIP LOCKED
+),
+held AS (
+    SELECT DISTINCT p.conference_id AS id
+    FROM messenger.conference_participants p
+    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
+      AND p.id NOT IN (SELECT r.id FROM roster_claimed r)
+),
+
+-- name: end_active_batch
+WITH visible AS (
+    SELECT s.id
+    FROM messenger.conference_sessions s
+    WHERE s.status = 'Active'
+      -- the index range, to the widest cutoff (the header)
+      AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
+      -- the room's own cutoff: its tenant's window, else the default
+      AND s.last_activity_at <= coalesce(
+              CAST(:as_of AS timestamptz)
+              - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
+                             ELSE p.stale_live_timeout END
+                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+              CAST(:cutoff AS timestamptz))
+      AND (s.active_participant_count = 0 OR NOT :require_empty)
+      AND s.id <> ALL (CAST(:excluded AS uuid[]))
+      -- isolating a row the database refuses: these ids only (NULL: any)
+      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
+    ORDER BY s.status, s.last_activity_at
+    LIMIT :batch_size
+),
+-- include: fence
 claimed AS (
     SELECT s.id, s.status, s.started_at, s.chat_id, s.deal_id, s.tenant_id
     FROM messenger.conference_sessions s
@@ -244,23 +266,7 @@ claimed AS (
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
--- Open roster rows of the claimed rooms, locked without waiting. A room one of
--- whose open rows a command holds (a "leave" locks its row, then updates the
--- room) is left out of the batch, reported 'held', and closed by a later
--- cycle: the batch never waits on a command's row and so can never deadlock
--- with one, whatever order the command locks in (docs/design.md#lock-order).
-roster_claimed AS (
-    SELECT p.id, p.conference_id
-    FROM messenger.conference_participants p
-    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
-    FOR UPDATE SKIP LOCKED
-),
-held AS (
-    SELECT DISTINCT p.conference_id AS id
-    FROM messenger.conference_participants p
-    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
-      AND p.id NOT IN (SELECT r.id FROM roster_claimed r)
-),
+-- include: roster_locks
 ended AS (
     UPDATE messenger.conference_sessions s
     SET status = 'Ended',
@@ -334,18 +340,25 @@ integration AS (
                    'durationSeconds', e.duration_seconds,
                    'peakParticipantCount', e.peak_participant_count,
                    'participants', coalesce(roster.list, '[]'::jsonb),
+                   'participantsOmitted', coalesce(roster.omitted, 0),
                    'wasRecorded', e.latest_id IS NOT NULL,
                    'recordingId', e.latest_id)),
            now()
     FROM ended_recordings e
+    -- The event lists at most the first 20000 roster rows by joinedAt and says how
+    -- many it left out: an unbounded roster would make a record some limit refuses
+    -- (docs/design.md#the-kafka-event); 20000 rows fit the broker's default 1 MiB
+    -- compressed with zstd, with a third to spare (docs/performance.md#compression).
     LEFT JOIN LATERAL (
         SELECT jsonb_agg(jsonb_build_object(
                    'userId', p.user_id,
                    'joinedAt', messenger.rfc3339(p.joined_at),
                    'leftAt', messenger.rfc3339(coalesce(p.left_at, greatest(CAST(:as_of AS timestamptz), p.joined_at))))
-               ORDER BY p.joined_at, p.id) AS list
-        FROM messenger.conference_participants p
-        WHERE p.conference_id = e.id
+               ORDER BY p.joined_at, p.id) FILTER (WHERE p.n <= 20000) AS list,
+               greatest(count(*) - 20000, 0) AS omitted
+        FROM (SELECT p.*, row_number() OVER (ORDER BY p.joined_at, p.id) AS n
+              FROM messenger.conference_participants p
+              WHERE p.conference_id = e.id) p
     ) roster ON true
     ORDER BY e.ended_at, e.last_activity_at
 ),
@@ -433,28 +446,7 @@ WITH visible AS (
     ORDER BY s.created_at
     LIMIT :batch_size
 ),
--- The fence (docs/design.md#the-single-runner-lock): a batch claims rows only
--- while its cycle owns the run and its phase's lock session still holds the
--- single-runner lock (else the server or the network ended that session, and no
--- batch of the phase may commit without it). The run row is held FOR KEY SHARE
--- until the commit: open_run's FOR UPDATE (a cycle taking the run over) waits
--- for this batch, and every later batch of the old owner finds the run closed;
--- the phase's own updates of its run row (no key changes) do not wait for it.
-fence AS (
-    SELECT r.run_id
-    FROM messenger.reaper_runs r
-    WHERE r.run_id = :run_id AND r.finished_at IS NULL
-      AND EXISTS (
-          SELECT FROM pg_locks l
-          WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-            AND l.pid = :holder_pid
-            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND l.classid::bigint
-                = ((hashtextextended('messenger.conference-room-reaper', 0) >> 32) & 4294967295)
-            AND l.objid::bigint
-                = (hashtextextended('messenger.conference-room-reaper', 0) & 4294967295))
-    FOR KEY SHARE OF r
-),
+-- include: fence
 claimed AS (
     SELECT s.id, s.status
     FROM messenger.conference_sessions s
@@ -475,23 +467,7 @@ claimed AS (
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
--- Open roster rows of the claimed rooms, locked without waiting. A room one of
--- whose open rows a command holds (a "leave" locks its row, then updates the
--- room) is left out of the batch, reported 'held', and closed by a later
--- cycle: the batch never waits on a command's row and so can never deadlock
--- with one, whatever order the command locks in (docs/design.md#lock-order).
-roster_claimed AS (
-    SELECT p.id, p.conference_id
-    FROM messenger.conference_participants p
-    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
-    FOR UPDATE SKIP LOCKED
-),
-held AS (
-    SELECT DISTINCT p.conference_id AS id
-    FROM messenger.conference_participants p
-    WHERE p.conference_id = ANY (ARRAY(SELECT c.id FROM claimed c)) AND p.left_at IS NULL
-      AND p.id NOT IN (SELECT r.id FROM roster_claimed r)
-),
+-- include: roster_locks
 failed AS (
     UPDATE messenger.conference_sessions s
     SET status = 'Failed',
@@ -1029,3 +1005,30 @@ FROM messenger.reaper_runs
 WHERE finished_at IS NOT NULL AND outcome = 'completed'
 ORDER BY finished_at DESC
 LIMIT 1;
+
+-- name: activity_ahead_count
+-- Active conferences whose last_activity_at is later than :ahead_of (the
+-- database's clock plus a tolerance), +infinity included: no cut-off reaches
+-- them, so no phase selects them; they are held and alerted
+-- (docs/design.md#anomalies). messenger_conf_reaper_activity_ahead, reaper
+-- status and reaper plan. A range of ix_conf_active from :ahead_of up, which
+-- holds only such rooms: it costs what they cost, never what the live rooms
+-- do. (-infinity is earlier than every cut-off: those rooms are closed.)
+SELECT count(*)
+FROM messenger.conference_sessions s
+WHERE s.status = 'Active' AND s.last_activity_at > CAST(:ahead_of AS timestamptz);
+
+-- name: activity_ahead
+-- reaper plan: those conferences, the furthest ahead first, at most :limit.
+-- ahead_seconds is NULL for +infinity (an interval cannot hold it).
+SELECT s.id AS conference_id, s.chat_id, s.deal_id, s.tenant_id,
+       s.active_participant_count,
+       NOT isfinite(s.last_activity_at) AS infinite,
+       CASE WHEN isfinite(s.last_activity_at) THEN s.last_activity_at END AS last_activity_at,
+       CASE WHEN isfinite(s.last_activity_at)
+            THEN extract(epoch FROM s.last_activity_at - CAST(:now AS timestamptz))
+       END AS ahead_seconds
+FROM messenger.conference_sessions s
+WHERE s.status = 'Active' AND s.last_activity_at > CAST(:ahead_of AS timestamptz)
+ORDER BY s.last_activity_at DESC, s.id
+LIMIT :limit;

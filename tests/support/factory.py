@@ -218,11 +218,28 @@ def command_holding(
 ) -> Iterator[tuple[Connection, RootTransaction]]:
     """A command's transaction holding a room's row lock (FOR UPDATE) until it
     commits or the block ends (then it rolls back)."""
+    with _holding(engine, "conference_sessions", conference_id) as held:
+        yield held
+
+
+@contextmanager
+def leave_holding(
+    engine: Engine, participant_id: int
+) -> Iterator[tuple[Connection, RootTransaction]]:
+    """A "leave" command between its two statements: its participant row locked
+    (FOR UPDATE), the room's update still to come."""
+    with _holding(engine, "conference_participants", participant_id) as held:
+        yield held
+
+
+@contextmanager
+def _holding(
+    engine: Engine, table: str, row_id: object
+) -> Iterator[tuple[Connection, RootTransaction]]:
     command = engine.connect()
     tx = command.begin()
     command.execute(
-        text("SELECT 1 FROM messenger.conference_sessions WHERE id = :id FOR UPDATE"),
-        {"id": conference_id},
+        text(f"SELECT 1 FROM messenger.{table} WHERE id = :id FOR UPDATE"), {"id": row_id}
     )
     try:
         yield command, tx

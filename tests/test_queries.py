@@ -1,0 +1,46 @@
+"""The named-query loader: one text per query, fragments written once."""
+
+from __future__ import annotations
+
+import pytest
+
+from reaper.queries import load, parse
+
+SOURCE = """
+-- fragment: recent
+recent AS (SELECT id FROM t WHERE at > now() - interval '1 hour'),
+
+-- name: first
+WITH
+-- include: recent
+other AS (SELECT 1)
+SELECT * FROM recent;
+
+-- name: second
+WITH
+-- include: recent
+SELECT count(*) FROM recent;
+"""
+
+
+def test_a_fragment_stands_in_every_query_that_includes_it() -> None:
+    queries = parse(SOURCE)
+    assert set(queries) == {"first", "second"}  # a fragment is not a query
+    fragment = "recent AS (SELECT id FROM t WHERE at > now() - interval '1 hour'),"
+    assert queries["first"] == f"WITH\n{fragment}\nother AS (SELECT 1)\nSELECT * FROM recent;"
+    assert queries["second"] == f"WITH\n{fragment}\nSELECT count(*) FROM recent;"
+
+
+def test_an_unknown_fragment_or_a_name_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown fragment 'missing'"):
+        parse("-- name: q\nWITH\n-- include: missing\nSELECT 1;")
+    with pytest.raises(ValueError, match="name 'q' is defined twice"):
+        parse("-- name: q\nSELECT 1;\n-- name: q\nSELECT 2;")
+
+
+def test_the_phase_statements_share_one_fence_and_one_roster_lock() -> None:
+    queries = load()
+    for name in ("end_active_batch", "fail_provisioning_batch"):
+        sql = queries[name].text
+        assert sql.count("fence AS (") == 1 and sql.count("roster_claimed AS (") == 1
+        assert "-- include:" not in sql
