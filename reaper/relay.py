@@ -20,8 +20,9 @@ consumers dedupe by it). One pass runs at a time across all workers
 
 Errors are classified by kafka-python's public ``KafkaError.retriable``:
 Kafka unreachable ends the pass at once; a retriable failure backs the row
-off; a record refused for good (too large, an invalid topic) is parked, so it
-no longer holds back later rows of its key; any other non-retriable error means
+off; a record refused for good (too large, an invalid topic) is parked, and
+holds back the later rows of its key until an operator requeues it (nothing
+overtakes it; docs/design.md#parked-events); any other non-retriable error means
 the producer itself is broken: the row backs off and the producer is replaced.
 A row that failed ``REAPER_RELAY_MAX_ATTEMPTS`` times is parked too.
 """
@@ -101,6 +102,7 @@ class RelayResult:
     outbox_parked: int = 0
     deleted: int = 0
     kafka_unavailable: bool = False
+    database_failed: bool = False
     skipped: bool = False
     timed_out: bool = False
 
@@ -113,8 +115,13 @@ class RelayResult:
         self.kafka_unavailable = self.kafka_unavailable or report.unavailable is not None
 
     def to_json(self) -> dict[str, Any]:
-        """The task's result (docs/design.md#tasks)."""
-        return {"published": self.published, "failed": self.failed, "pending": self.pending}
+        """The task's result and ``reaper relay --once``'s (docs/design.md#tasks)."""
+        return {
+            "published": self.published,
+            "failed": self.failed,
+            "parked": self.parked,
+            "pending": self.pending,
+        }
 
 
 @dataclass
@@ -190,6 +197,7 @@ class Relay:
                     result.skipped = True
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
+            result.database_failed = True
         self._measure(result)
         self.bus.emit(
             RelayPassCompleted(
@@ -270,6 +278,7 @@ class Relay:
             result.timed_out = True
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
+            result.database_failed = True
         finally:
             # A batch being closed finishes on its own (bounded by the Kafka
             # timeout); the ones this thread holds are rolled back.
@@ -294,6 +303,7 @@ class Relay:
             result.pending, result.oldest_pending_age_seconds, result.outbox_parked = stats
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
+            result.database_failed = True
 
     # -- steps 1 and 2: claim, send the first round ----------------------------
 
@@ -397,8 +407,9 @@ class Relay:
 
     def _rounds(self, flight: InFlight) -> None:
         """Acknowledge the sent round; then the next row of every key whose row was
-        acknowledged or parked, until the batch is done or one Kafka timeout has
-        passed (the rest of those keys waits, in order, for a later batch)."""
+        acknowledged, until the batch is done or one Kafka timeout has passed (the
+        rest of those keys waits, in order, for a later batch). A key whose row
+        failed or was parked sends nothing more: its later rows wait behind it."""
         assert flight.producer is not None
         report = flight.report
         rounds_until = time.monotonic() + self.kafka_timeout
@@ -407,7 +418,7 @@ class Relay:
             acked = self._await(sent, report) if sent else []
             if report.unavailable is not None:
                 return
-            done = {row.id for row in acked} | set(report.refused)
+            done = {row.id for row in acked}
             following = []
             for queue in flight.by_key.values():
                 if queue and queue[0].id in done:
@@ -417,7 +428,7 @@ class Relay:
             if not following or time.monotonic() >= rounds_until:
                 break
             sent = self._send(flight.producer, following, report)
-        # rows behind a failed row of their key (or not reached) wait for later
+        # rows behind a failed or parked row of their key (or not reached) wait
         report.held_back = sum(len(q) - 1 for q in flight.by_key.values() if q)
 
     def _await(self, sent: list[tuple[Row, Any]], report: BatchReport) -> list[Row]:

@@ -137,7 +137,7 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
 
     published_before = metrics.sample("messenger_outbox_relay_published_total")
     result = make_relay(rsettings, engine, producers).run()
-    assert result.to_json() == {"published": 2, "failed": 0, "pending": 0}
+    assert result.to_json() == {"published": 2, "failed": 0, "parked": 0, "pending": 0}
     assert metrics.sample("messenger_outbox_relay_published_total") == published_before + 2
     assert metrics.sample("messenger_outbox_pending") == 0
 
@@ -199,7 +199,7 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
 
     # A second pass has nothing left to send.
     again = make_relay(rsettings, engine, producers).run()
-    assert again.to_json() == {"published": 0, "failed": 0, "pending": 0}
+    assert again.to_json() == {"published": 0, "failed": 0, "parked": 0, "pending": 0}
     assert len(read_topic(kafka_broker, topic, expect=3, timeout=2)) == 2
 
 
@@ -297,7 +297,7 @@ def test_a_failed_row_holds_back_its_key_while_other_keys_go_on(
     # Due again (the leader is back): both go, in order.
     with engine.begin() as conn:
         conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = now()"))
-    assert relay.run().to_json() == {"published": 2, "failed": 0, "pending": 0}
+    assert relay.run().to_json() == {"published": 2, "failed": 0, "parked": 0, "pending": 0}
     records = read_topic(kafka_broker, topic, expect=3)
     deal_a = sorted((r for r in records if r.key == "deal-a"), key=lambda r: r.offset)
     assert [r.event_id for r in deal_a] == [first, second]
@@ -308,11 +308,11 @@ def test_a_failed_row_holds_back_its_key_while_other_keys_go_on(
     "refusal",
     ["illegal-topic", "too-large"],
 )
-def test_a_row_refused_for_good_is_parked_and_holds_nothing_back(
+def test_a_row_refused_for_good_is_parked_and_holds_back_its_key(
     rsettings, engine, producers, topic, kafka_broker, caplog, refusal
 ):
-    """Refused as not retriable: parked at once (parked_at, last_error), and the later
-    rows of its key go on in the same pass."""
+    """Refused as not retriable: parked at once (parked_at, last_error); the later
+    rows of its key wait behind it, pass after pass; other keys go on."""
     caplog.set_level(logging.INFO, "reaper")
     rsettings = rsettings.model_copy(update={"kafka_max_request_size": 4096})
     with engine.begin() as conn:
@@ -327,20 +327,58 @@ def test_a_row_refused_for_good_is_parked_and_holds_nothing_back(
     relay = make_relay(rsettings, engine, producers)
 
     result = relay.run()
-    assert (result.published, result.failed, result.parked, result.pending) == (2, 0, 1, 0)
-    assert result.outbox_parked == 1
+    assert (result.published, result.failed, result.parked, result.pending) == (1, 0, 1, 1)
+    assert result.outbox_parked == 1 and result.held_back == 1
     rows = {str(r["event_id"]): r for r in outbox_rows(engine)}
     assert rows[refused]["parked_at"] is not None and rows[refused]["published_at"] is None
     assert rows[refused]["attempts"] == 1
     expected = "ValueError" if refusal == "illegal-topic" else "MessageSizeTooLargeError"
     assert expected in rows[refused]["last_error"]
-    assert rows[later]["published_at"] is not None and rows[other]["published_at"] is not None
+    assert rows[other]["published_at"] is not None
+    assert rows[later]["published_at"] is None and rows[later]["attempts"] == 0
     [parked] = log_events(caplog, "relay.row_parked")
     assert parked["event_id"] == refused
-    deal_a = [r.event_id for r in read_topic(kafka_broker, topic, expect=2) if r.key == "deal-a"]
-    assert deal_a == [later]
-    # A parked row is never claimed again.
-    assert relay.run().to_json() == {"published": 0, "failed": 0, "pending": 0}
+    # The parked row is never claimed again, and its key's later row stays behind it.
+    again = relay.run()
+    assert again.to_json() == {"published": 0, "failed": 0, "parked": 0, "pending": 1}
+    assert again.outbox_parked == 1
+    assert [r.event_id for r in read_topic(kafka_broker, topic, expect=1)] == [other]
+
+
+def test_a_later_event_goes_only_after_its_parked_predecessor(
+    rsettings, engine, producers, topic, kafka_broker
+):
+    """Across batches: rows of the parked key claimed in a later batch still wait.
+    Requeued while Kafka still refuses it, the row is parked again and the key stays
+    held; requeued once the cause is fixed, both go, in commit order."""
+    small = rsettings.model_copy(update={"kafka_max_request_size": 4096, "relay_batch_size": 2})
+    with engine.begin() as conn:
+        big = add_outbox_row(
+            conn, topic=topic, key="deal-a", payload={"eventId": "x", "pad": "p" * 8000}
+        )
+        fillers = [add_outbox_row(conn, topic=topic, key=f"deal-{i}") for i in range(4)]
+        later = add_outbox_row(conn, topic=topic, key="deal-a")  # a batch of its own
+    relay = make_relay(small, engine, producers)
+    first = relay.run()
+    assert (first.published, first.parked, first.pending) == (4, 1, 1)
+    assert sorted(r.event_id for r in read_topic(kafka_broker, topic, expect=4)) == sorted(fillers)
+
+    def requeue() -> int:
+        with engine.begin() as conn:
+            return Queries(conn).requeue_outbox(big)
+
+    assert requeue() == 1
+    still = relay.run()  # still too large: parked again, the later row still waits
+    assert (still.published, still.parked, still.pending) == (0, 1, 1)
+
+    assert requeue() == 1
+    fixed = make_relay(small.model_copy(update={"kafka_max_request_size": 1_048_576}),
+                       engine, producers)  # fmt: skip
+    done = fixed.run()
+    assert (done.published, done.parked, done.pending, done.outbox_parked) == (2, 0, 0, 0)
+    records = read_topic(kafka_broker, topic, expect=6)
+    deal_a = [r.headers["event-id"] for r in records if r.key == "deal-a"]
+    assert deal_a == [big, later]
 
 
 def test_a_row_out_of_attempts_is_parked(rsettings, engine, producers, topic):
@@ -451,7 +489,7 @@ def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
     started = time.monotonic()
     result = make_relay(settings, engine, producers).run()
     assert time.monotonic() - started < 10
-    assert result.to_json() == {"published": 0, "failed": 3, "pending": 3}
+    assert result.to_json() == {"published": 0, "failed": 3, "parked": 0, "pending": 3}
     rows = outbox_rows(engine)
     assert all(r["published_at"] is None and r["attempts"] == 0 for r in rows)
     assert all(r["next_attempt_at"] is not None for r in rows)
@@ -541,7 +579,12 @@ def test_soft_time_limit_ends_the_pass_and_marks_nothing(database_url, engine, p
         signal.signal(signal.SIGALRM, previous)
         black_hole.close()
     assert time.monotonic() - started < 8
-    assert result.timed_out and result.to_json() == {"published": 0, "failed": 0, "pending": 1}
+    assert result.timed_out and result.to_json() == {
+        "published": 0,
+        "failed": 0,
+        "parked": 0,
+        "pending": 1,
+    }
     [row] = outbox_rows(engine)
     assert (row["attempts"], row["last_error"], row["published_at"]) == (0, None, None)
     assert log_events(caplog, "relay.time_limit")
@@ -644,12 +687,18 @@ def test_one_pass_at_a_time_the_other_only_measures(rsettings, engine, producers
         holder.begin()
         assert Queries(holder).try_relay_lock()  # a pass "in flight" elsewhere
         result = make_relay(rsettings, engine, producers).run()
-        assert result.skipped and result.to_json() == {"published": 0, "failed": 0, "pending": 3}
+        assert result.skipped and result.to_json() == {
+            "published": 0,
+            "failed": 0,
+            "parked": 0,
+            "pending": 3,
+        }
         assert log_events(caplog, "relay.skipped")
         holder.rollback()
     assert make_relay(rsettings, engine, producers).run().to_json() == {
         "published": 3,
         "failed": 0,
+        "parked": 0,
         "pending": 0,
     }
 
