@@ -144,7 +144,6 @@ class InFlight:
 
     conn: Connection
     transaction: RootTransaction
-    overlapped: bool = False
     rows: list[Row] = field(default_factory=list)
     report: BatchReport = field(default_factory=BatchReport)
     by_key: OrderedDict[str, deque[Row]] = field(default_factory=OrderedDict)
@@ -236,7 +235,7 @@ class Relay:
             conn.close()
 
     def _pass(self, result: RelayResult) -> None:
-        """Batches until one comes back short, Kafka is gone, a stop is asked or the
+        """Batches until a claim finds nothing, Kafka is gone, a stop is asked or the
         pass's time is spent; then retention."""
         deadline = time.monotonic() + self.settings.relay_max_pass_duration.total_seconds()
         current: InFlight | None = None
@@ -247,20 +246,19 @@ class Relay:
         closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-close")
         closing: Future[BatchReport] | None = None
         try:
-            current = self._claim_and_send(overlapped=False)
+            current = self._claim_and_send()
             while current is not None:
                 going = not (
                     current.report.unavailable is not None
                     or time.monotonic() >= deadline
                     or self.stop_event.is_set()
                 )
-                # A claim made while another batch was in flight may come back
-                # short only because that batch held its keys: not the end.
-                more = going and (
-                    current.overlapped or current.report.claimed >= self.settings.relay_batch_size
-                )
+                # A short batch is not the end: while a drain writes events, the
+                # pass follows it a batch behind instead of waiting for the next
+                # tick. Only a claim that finds nothing ends it.
+                more = going
                 closing, current = closer.submit(self._await_and_mark, current), None
-                following = self._claim_and_send(overlapped=True) if more else None
+                following = self._claim_and_send() if more else None
                 report = closing.result()
                 closing = None
                 result.add(report)
@@ -271,7 +269,7 @@ class Relay:
                     break
                 current, following = following, None
                 if current is None and more:
-                    current = self._claim_and_send(overlapped=False)
+                    current = self._claim_and_send()
         except SoftTimeLimitExceeded:
             # The batches in flight roll back: their rows go again next pass.
             log(logger, "relay.time_limit", level=logging.WARNING, published=result.published)
@@ -307,12 +305,12 @@ class Relay:
 
     # -- steps 1 and 2: claim, send the first round ----------------------------
 
-    def _claim_and_send(self, *, overlapped: bool) -> InFlight | None:
+    def _claim_and_send(self) -> InFlight | None:
         """Claim a batch in a new transaction and send its first round; None when
-        nothing is due. ``overlapped``: another batch of this pass is in flight."""
+        nothing is due."""
         conn = self.engine.connect()
         tx, queries = begin(conn, budgets.relay_batch(self.settings))
-        flight = InFlight(conn, tx, overlapped=overlapped)
+        flight = InFlight(conn, tx)
         try:
             queries.relay_planner()
             flight.rows = queries.claim_outbox_batch(self.settings.relay_batch_size)

@@ -27,6 +27,7 @@ from sqlalchemy import Engine, text
 from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
+from reaper.events import Bus, RelayBatchCommitted
 from reaper.kafka import ProducerSlot, producer_config
 from reaper.queries import Queries
 from reaper.relay import Relay
@@ -474,6 +475,119 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
         assert {str(r["event_id"]) for r in rows[1:]} <= {r.event_id for r in records}
     finally:
         broker.stop()
+
+
+# -- failures in the middle of a pipelined pass ---------------------------------
+
+
+def add_spread_rows(engine: Engine, topic: str, keys: int, per_key: int) -> list[tuple[str, str]]:
+    """``keys`` deals with ``per_key`` events each, interleaved, so every batch of a
+    pass holds several rows of each deal: (key, event id) in commit order."""
+    rows = []
+    with engine.begin() as conn:
+        for _ in range(per_key):
+            for k in range(keys):
+                rows.append((f"deal-{k}", add_outbox_row(conn, topic=topic, key=f"deal-{k}")))
+    return rows
+
+
+def published_prefixes(engine: Engine) -> dict[str, int]:
+    """Per key: how many of its rows are published; asserts they are the first ones
+    (in commit order: nothing overtook an earlier row of its deal)."""
+    by_key: dict[str, list[bool]] = {}
+    for row in outbox_rows(engine):
+        by_key.setdefault(row["message_key"], []).append(row["published_at"] is not None)
+    prefixes = {}
+    for key, published in by_key.items():
+        count = sum(published)
+        assert published == [True] * count + [False] * (len(published) - count), key
+        prefixes[key] = count
+    return prefixes
+
+
+@pytest.mark.process
+def test_broker_stopping_mid_pass_marks_only_acknowledged_rows_in_order(
+    database_url, engine, producers
+):
+    """Kafka goes away while batches are in flight: the pass ends, what was
+    acknowledged is marked and nothing else, no row is charged or parked, each
+    deal's published rows are its first ones; the next pass, Kafka back, sends the
+    rest in order."""
+    broker = Tansu().start()
+    port = broker.port
+    try:
+        topic = "pin.messenger.conference-ended.v1"
+        create_topic(broker.bootstrap, topic)
+        settings = relay_settings(database_url, broker.bootstrap, topic, relay_batch_size=100)
+        rows = add_spread_rows(engine, topic, keys=40, per_key=100)
+        bus = Bus()
+        killed = threading.Event()
+
+        def kill_broker_once(fact: RelayBatchCommitted) -> None:
+            if fact.published and not killed.is_set():
+                killed.set()
+                assert broker.proc is not None
+                broker.proc.kill()  # at once, mid-pass: later batches are in flight
+
+        bus.subscribe(RelayBatchCommitted, kill_broker_once)
+        relay = make_relay(settings, engine, producers, bus=bus)
+        started = time.monotonic()
+        down = relay.run()
+        assert time.monotonic() - started < 30
+        broker.stop()
+        assert killed.is_set() and down.kafka_unavailable and 0 < down.published < len(rows)
+        assert down.parked == 0 and down.pending == len(rows) - down.published
+        prefixes = published_prefixes(engine)
+        assert sum(prefixes.values()) == down.published
+        assert all(r["parked_at"] is None for r in outbox_rows(engine))
+
+        broker = Tansu(port=port).start()  # Kafka is back (empty: a new broker)
+        create_topic(broker.bootstrap, topic)
+        with engine.begin() as conn:  # due again now, not after the back-off
+            conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = NULL"))
+        back = relay.run()
+        assert (back.published, back.pending, back.parked) == (len(rows) - down.published, 0, 0)
+        records = read_topic(broker.bootstrap, topic, expect=back.published)
+        for key, done in prefixes.items():
+            sent = [r.event_id for r in sorted(records, key=lambda r: r.offset) if r.key == key]
+            assert sent == [e for k, e in rows if k == key][done:], key
+    finally:
+        broker.stop()
+
+
+def test_a_record_refused_mid_pass_is_parked_and_the_pass_goes_on(
+    rsettings, engine, producers, topic, kafka_broker
+):
+    """A record Kafka refuses for good in the middle of a pass of many batches in
+    flight: parked, its deal's later rows wait behind it, every other row is
+    published in order."""
+    settings = rsettings.model_copy(
+        update={"relay_batch_size": 100, "kafka_max_request_size": 4096}
+    )
+    rows = add_spread_rows(engine, topic, keys=40, per_key=25)
+    refused_key, refused_id = rows[len(rows) // 2]
+    with engine.begin() as conn:  # too large to send
+        conn.execute(
+            text(
+                "UPDATE messenger.integration_outbox SET payload = payload"
+                " || jsonb_build_object('pad', repeat('p', 8000)) WHERE event_id = CAST(:e AS uuid)"
+            ),
+            {"e": refused_id},
+        )
+    mine = [e for k, e in rows if k == refused_key]
+    behind = len(mine) - mine.index(refused_id) - 1
+    result = make_relay(settings, engine, producers).run()
+    assert (result.parked, result.failed) == (1, 0)
+    assert (result.published, result.pending) == (len(rows) - 1 - behind, behind)
+    prefixes = published_prefixes(engine)
+    assert prefixes[refused_key] == mine.index(refused_id)
+    records = sorted(
+        read_topic(kafka_broker, topic, expect=result.published), key=lambda r: r.offset
+    )
+    for key, done in prefixes.items():
+        assert [r.event_id for r in records if r.key == key] == [e for k, e in rows if k == key][
+            :done
+        ], key
 
 
 def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
