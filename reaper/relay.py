@@ -11,6 +11,10 @@ A pass is a pipeline of batches, each in its own transaction, in five steps:
    row that failed, park each row Kafka refused for good; commit;
 5. after the last batch, **retention** deletes old published rows.
 
+Batches follow each other until a claim finds nothing (a short batch is not
+the end: during an incident the pass follows the drain a batch behind), the
+pass's time is spent, a stop is asked or Kafka is gone.
+
 While one batch is awaited and marked (on a closer thread), the next is
 claimed and sent; their keys never overlap, so a deal's events never overtake
 each other. Killed between the send and the mark, a batch's transaction rolls
@@ -248,15 +252,14 @@ class Relay:
         try:
             current = self._claim_and_send()
             while current is not None:
-                going = not (
+                # A short batch is not the end: while a drain writes events, the
+                # pass follows it a batch behind instead of waiting for the next
+                # tick. Only a claim that finds nothing ends it.
+                more = not (
                     current.report.unavailable is not None
                     or time.monotonic() >= deadline
                     or self.stop_event.is_set()
                 )
-                # A short batch is not the end: while a drain writes events, the
-                # pass follows it a batch behind instead of waiting for the next
-                # tick. Only a claim that finds nothing ends it.
-                more = going
                 closing, current = closer.submit(self._await_and_mark, current), None
                 following = self._claim_and_send() if more else None
                 report = closing.result()
