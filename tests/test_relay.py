@@ -555,6 +555,44 @@ def test_broker_stopping_mid_pass_marks_only_acknowledged_rows_in_order(
         broker.stop()
 
 
+@pytest.mark.parametrize("how", ["stop-asked", "pass-bound"])
+def test_a_pass_ended_mid_way_settles_its_batches_in_flight(
+    rsettings, engine, producers, topic, kafka_broker, how
+):
+    """A warm shutdown (the stop event) or REAPER_RELAY_MAX_PASS_DURATION in the
+    middle of a pass: no new claim, the batches in flight are awaited and marked,
+    so every record on Kafka is a published row (none sent twice, none left
+    unmarked) and each deal's published rows are its first ones."""
+    bound = timedelta(seconds=1) if how == "pass-bound" else timedelta(seconds=60)
+    settings = rsettings.model_copy(
+        update={"relay_batch_size": 100, "relay_max_pass_duration": bound}
+    )
+    rows = add_spread_rows(engine, topic, keys=40, per_key=100)
+    stop = threading.Event()
+    bus = Bus()
+
+    def slow_close(fact: RelayBatchCommitted) -> None:
+        if how == "stop-asked":
+            stop.set()  # after the first batch: the one claimed meanwhile still settles
+        else:
+            time.sleep(0.3)  # batches close slowly: the pass's bound comes first
+
+    bus.subscribe(RelayBatchCommitted, slow_close)
+    relay = make_relay(settings, engine, producers, bus=bus, stop_event=stop)
+    started = time.monotonic()
+    result = relay.run()
+    assert time.monotonic() - started < bound.total_seconds() + 5
+    assert 0 < result.published < len(rows) and not result.timed_out
+    assert result.pending == len(rows) - result.published
+    assert sum(published_prefixes(engine).values()) == result.published
+    records = read_topic(kafka_broker, topic, expect=result.published + 1, timeout=3)
+    assert len(records) == result.published
+    with engine.connect() as conn:  # nothing is left locked: all of it claimable again
+        claimable = Queries(conn).claim_outbox_batch(10_000)
+        conn.rollback()
+    assert len(claimable) == result.pending
+
+
 def test_a_record_refused_mid_pass_is_parked_and_the_pass_goes_on(
     rsettings, engine, producers, topic, kafka_broker
 ):
