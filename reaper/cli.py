@@ -143,6 +143,9 @@ def cmd_relay(settings: Settings, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if result.skipped:
+        print("reaper: another relay pass is running (a worker's): this one only counted",
+              file=sys.stderr)  # fmt: skip
     data = result.to_json()
     if args.json:
         print(json.dumps(data, sort_keys=True))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
+from reaper.queries import Queries
 from tests.support.kafka import create_topic, read_topic
 from tests.support.ports import free_port
 from tests.support.processes import ROOT
@@ -131,6 +132,21 @@ def test_relay_once_without_a_database_is_one_line_and_exit_1(kafka_broker):
     assert done.stdout == ""
     [line] = plain_lines(done.stderr)
     assert line.startswith("reaper: database postgresql+psycopg2://postgres@127.0.0.1:")
+
+
+def test_relay_once_beside_a_running_pass_only_counts(engine, kafka_broker, topic):
+    """One pass at a time: while another holds the relay lock, --once publishes
+    nothing, says so in one line and exits 0 (the other pass is doing the work)."""
+    add_rows(engine, topic, ["deal-a"])
+    with engine.connect() as holder:
+        holder.begin()
+        assert Queries(holder).try_relay_lock()
+        done = relay_cli("--once", "--json", env={"REAPER_KAFKA_BOOTSTRAP_SERVERS": kafka_broker})
+        holder.rollback()
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"published": 0, "failed": 0, "parked": 0, "pending": 1}
+    [line] = plain_lines(done.stderr)
+    assert line.startswith("reaper: another relay pass is running")
 
 
 def test_relay_without_once_is_refused():
