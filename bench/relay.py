@@ -1,45 +1,78 @@
-"""Kafka for the bench: the relay figure and its baseline (the broker: tests.support.kafka).
+"""Kafka for the bench: the relay figures and their baseline (the broker: tests.support.kafka).
+
+The relay is measured as an incident leaves the outbox: ``fresh_backlog`` writes
+the events anew into a table whose statistics say it is empty (analyzed empty,
+autovacuum off for the measurement, so no ``ANALYZE`` comes in between), and
+``reaper relay --once`` relays them in its own process. Its rate is events over
+the pass's own ``duration_ms`` (the ``relay.completed`` line): the process's
+start is not counted, as the baseline's producer is connected before its clock
+starts.
 
 The relay's baseline is kafka-python alone: the same records (key, value,
 headers) from memory, the same producer settings (``reaper.kafka.producer_config``),
-the same batch size, every acknowledgement awaited per batch; no database.
+every record sent, then one flush; no database. ``native_crc`` says whether
+kafka-python found the ``crc32c`` package (its CRC in C) in this environment.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from bench.seed import connect
 from reaper.config import Settings
-from reaper.db import engine_for
-from reaper.kafka import ProducerSlot, producer_config
+from reaper.kafka import producer_config
+from reaper.traceids import traceparent
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
 
 
-def keep_pending(url: str, count: int) -> int:
-    """Leave exactly the first ``count`` outbox rows (the drain's), all pending again."""
+def fresh_backlog(url: str, count: int) -> int:
+    """The first ``count`` outbox rows (the drain's events) written anew as pending
+    rows into a table analyzed empty, with autovacuum off (``autovacuum_back``
+    turns it on again): as an incident leaves the outbox, and it stays that way."""
     conn = connect(url)
     with conn, conn.cursor() as cur:
         cur.execute(
-            "DELETE FROM messenger.integration_outbox WHERE id NOT IN"
-            " (SELECT id FROM messenger.integration_outbox ORDER BY id LIMIT %s)",
+            "CREATE TEMP TABLE backlog ON COMMIT DROP AS SELECT event_id, topic, message_key,"
+            " payload FROM messenger.integration_outbox ORDER BY id LIMIT %s",
             (count,),
         )
+        cur.execute("ALTER TABLE messenger.integration_outbox SET (autovacuum_enabled = false)")
+        cur.execute("TRUNCATE messenger.integration_outbox RESTART IDENTITY")
+        cur.execute("ANALYZE messenger.integration_outbox")  # statistics: an empty table
         cur.execute(
-            "UPDATE messenger.integration_outbox SET published_at = NULL, attempts = 0,"
-            " last_error = NULL, next_attempt_at = NULL"
+            "INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload)"
+            " SELECT event_id, topic, message_key, payload FROM backlog"
         )
-        cur.execute("SELECT count(*) FROM messenger.integration_outbox")
-        (pending,) = cur.fetchone()
+        cur.execute(
+            "SELECT (SELECT count(*) FROM messenger.integration_outbox),"
+            " (SELECT reltuples FROM pg_class WHERE relname = 'integration_outbox')"
+        )
+        pending, reltuples = cur.fetchone()
     conn.close()
+    if reltuples > 0:
+        raise RuntimeError(f"the outbox's statistics say {reltuples} rows, not empty")
     return pending
 
 
+def autovacuum_back(url: str) -> None:
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("ALTER TABLE messenger.integration_outbox RESET (autovacuum_enabled)")
+    conn.close()
+
+
 def records(url: str) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
-    """The outbox rows as the relay sends them: key, value, the three headers."""
+    """The outbox rows as the relay sends them: key, value, the four headers."""
     conn = connect(url)
     with conn, conn.cursor() as cur:
         cur.execute(
@@ -56,6 +89,7 @@ def records(url: str) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
                 ("event-id", event_id.encode()),
                 ("event-type", (event_type or "").encode()),
                 ("correlation-id", (correlation or "").encode()),
+                *([("traceparent", traceparent(correlation).encode())] if correlation else []),
             ],
         )
         for key, value, event_id, event_type, correlation in rows
@@ -68,40 +102,64 @@ def relay_settings(url: str, bootstrap: str, topic: str) -> Settings:
     )
 
 
-def relay_rate(url: str, bootstrap: str, topic: str, expected: int) -> float:
-    """The reaper's relay (reaper.relay.Relay, as the task runs it): events per second."""
-    from reaper.relay import Relay
+def native_crc() -> bool:
+    """Whether kafka-python computes record CRCs in C here (the ``crc32c`` package)."""
+    from kafka.record import util
 
-    settings = relay_settings(url, bootstrap, topic)
-    slot = ProducerSlot(settings)
-    relay = Relay(settings, engine=engine_for(url), producers=slot)
-    slot.get()  # connected before the clock starts, as on the baseline side
-    published = 0
+    return util.crc32c_c is not None
+
+
+def relay_once(url: str, bootstrap: str, topic: str, expected: int) -> dict[str, Any]:
+    """``reaper relay --once --json`` in its own process: its result, the pass's own
+    duration (``relay.completed``) and the whole process's wall time."""
+    env = {
+        **os.environ,
+        "REAPER_DATABASE_URL": url,
+        "REAPER_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        "REAPER_CONFERENCE_ENDED_TOPIC": topic,
+        "REAPER_METRICS_PORT": "0",
+        # one pass for the whole backlog
+        "REAPER_RELAY_MAX_PASS_DURATION": "600",
+    }
     started = time.perf_counter()
+    done = subprocess.run(
+        [str(BIN / "reaper"), "relay", "--once", "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"reaper relay --once failed: {done.stderr[-2000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["published"] != expected or result["failed"] or result["parked"]:
+        raise RuntimeError(f"the relay did not publish the {expected} events: {result}")
+    [completed] = [
+        line for line in map(_json_line, done.stderr.splitlines())
+        if line.get("event") == "relay.completed"
+    ]  # fmt: skip
+    return {**result, "pass_s": completed["duration_ms"] / 1000, "process_s": wall}
+
+
+def _json_line(line: str) -> dict[str, Any]:
     try:
-        while published < expected:
-            result = relay.run()
-            if result.failed or result.kafka_unavailable:
-                raise RuntimeError(f"the relay failed: {result}")
-            published += result.published
-        return published / (time.perf_counter() - started)
-    finally:
-        slot.close()
+        parsed = json.loads(line)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
-def baseline_rate(settings: Settings, topic: str, recs: list, batch_size: int) -> float:
-    """kafka-python alone: same records, same settings, batches, every ack awaited."""
+def baseline_rate(settings: Settings, topic: str, recs: list) -> float:
+    """kafka-python alone: the same records, the same settings, sent, then one flush."""
     producer = KafkaProducer(**producer_config(settings))
     try:
         producer.partitions_for(topic)  # metadata before the clock starts
         started = time.perf_counter()
-        for i in range(0, len(recs), batch_size):
-            futures = [
-                producer.send(topic, key=key, value=value, headers=headers)
-                for key, value, headers in recs[i : i + batch_size]
-            ]
-            for future in futures:
-                future.get(timeout=30)
+        for key, value, headers in recs:
+            producer.send(topic, key=key, value=value, headers=headers)
+        producer.flush(timeout=120)
         return len(recs) / (time.perf_counter() - started)
     finally:
         producer.close(timeout=10)

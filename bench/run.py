@@ -33,7 +33,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import baseline, drain, e2e, seed  # noqa: E402
+from bench import baseline, drain, e2e, incident, seed  # noqa: E402
 from bench import relay as bench_kafka  # noqa: E402
 from bench import worker as bench_worker  # noqa: E402
 from tests.support.kafka import Tansu, create_topic  # noqa: E402
@@ -48,6 +48,7 @@ class Sizes:
     history: int
     quiet_small: int
     relay: int
+    relay_small: int
     quiet_runs: int
     repeats: int
     e2e_rooms: int
@@ -55,11 +56,29 @@ class Sizes:
 
 
 SIZES = {
-    "full": Sizes(100_000, 1_000_000, 10_000, 50_000, quiet_runs=41, repeats=3, e2e_rooms=200,
-                  live_big=1_000_000),
-    "quick": Sizes(10_000, 100_000, 10_000, 5_000, quiet_runs=31, repeats=2, e2e_rooms=100,
-                   live_big=100_000),
-    "tiny": Sizes(600, 3_000, 300, 200, quiet_runs=5, repeats=1, e2e_rooms=20, live_big=3_000),
+    "full": Sizes(
+        100_000,
+        1_000_000,
+        10_000,
+        50_000,
+        5_000,
+        quiet_runs=41,
+        repeats=3,
+        e2e_rooms=200,
+        live_big=1_000_000,
+    ),
+    "quick": Sizes(
+        10_000,
+        100_000,
+        10_000,
+        5_000,
+        500,
+        quiet_runs=31,
+        repeats=2,
+        e2e_rooms=100,
+        live_big=100_000,
+    ),
+    "tiny": Sizes(600, 3_000, 300, 200, 50, quiet_runs=5, repeats=1, e2e_rooms=20, live_big=3_000),
 }
 
 
@@ -234,7 +253,9 @@ def reap_once_figure(url: str, raw: dict) -> Row:
     return row
 
 
-def memory_figure(url: str, sizes: Sizes, workdir: Path, raw: dict) -> list[Row]:
+def memory_figure(
+    url: str, sizes: Sizes, workdir: Path, raw: dict, in_process: float | None
+) -> list[Row]:
     seed.clear_eligible(url)  # the worker warms up on a quiet database
     result = bench_worker.drain(
         url,
@@ -256,36 +277,74 @@ def memory_figure(url: str, sizes: Sizes, workdir: Path, raw: dict) -> list[Row]
             "<= 1.1x",
             lambda r: r <= 1.1,
         ),
-        Row("worker drain, batch 1000, real worker (rooms/s)", rate, None, "", "(info)"),
+        Row(
+            "worker drain / in-process drain, batch 1000 (rooms/s)",
+            rate,
+            in_process,
+            "",
+            ">= 0.9x",
+            lambda r: r >= 0.9,
+            note="reaper: a real `celery worker`; baseline: the same drain in process",
+        ),
     ]
 
 
-def relay_figure(url: str, sizes: Sizes, raw: dict) -> Row:
-    pending = bench_kafka.keep_pending(url, sizes.relay)
-    if pending != sizes.relay:
-        raise RuntimeError(f"{pending} outbox rows to relay, wanted {sizes.relay}")
-    recs = bench_kafka.records(url)
+def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -> list[Row]:
+    """`reaper relay --once` on a freshly written backlog (statistics of an empty
+    outbox, never an ANALYZE in between) against kafka-python alone; then the relay's
+    rate over the drain's, so an incident's events keep pace with its closings."""
+    rows = []
     broker = Tansu().start()
     try:
         create_topic(broker.bootstrap, TOPIC)
         create_topic(broker.bootstrap, f"{TOPIC}.baseline")
         settings = bench_kafka.relay_settings(url, broker.bootstrap, TOPIC)
-        base = bench_kafka.baseline_rate(
-            settings, f"{TOPIC}.baseline", recs, settings.relay_batch_size
-        )
-        ours = bench_kafka.relay_rate(url, broker.bootstrap, TOPIC, sizes.relay)
+        for count in (sizes.relay, sizes.relay_small):
+            try:
+                pending = bench_kafka.fresh_backlog(url, count)
+                if pending != count:
+                    raise RuntimeError(f"{pending} outbox rows to relay, wanted {count}")
+                recs = bench_kafka.records(url)
+                base = bench_kafka.baseline_rate(settings, f"{TOPIC}.baseline", recs)
+                ours = bench_kafka.relay_once(url, broker.bootstrap, TOPIC, count)
+            finally:
+                bench_kafka.autovacuum_back(url)
+            rate = count / ours["pass_s"]
+            raw.setdefault("relay", []).append(
+                {"events": count, "relay_per_s": rate, "baseline_per_s": base, **ours,
+                 "native_crc": bench_kafka.native_crc()}
+            )  # fmt: skip
+            say(
+                f"relay {count:,}: {rate:,.0f} events/s (pass {ours['pass_s']:.2f}s,"
+                f" process {ours['process_s']:.2f}s); kafka-python alone: {base:,.0f}/s"
+            )
+            rows.append(
+                Row(
+                    f"relay, {count:,} fresh events, `reaper relay --once` (events/s)",
+                    rate,
+                    base,
+                    "",
+                    ">= 0.8x",
+                    lambda r: r >= 0.8,
+                    note="baseline: kafka-python alone, same records, one flush"
+                    + ("" if bench_kafka.native_crc() else "; crc32c NOT installed"),
+                )
+            )
     finally:
         broker.stop()
-    raw["relay"] = {"events": sizes.relay, "relay_per_s": ours, "baseline_per_s": base}
-    say(f"relay: {ours:,.0f} events/s; kafka-python alone: {base:,.0f} events/s")
-    return Row(
-        f"relay, {sizes.relay:,} pending rows (events/s)",
-        ours,
-        base,
-        "",
-        ">= 0.8x",
-        lambda r: r >= 0.8,
-    )
+    if drain_b100:
+        rows.append(
+            Row(
+                "relay over the drain, batch 100 (events/s vs rooms/s)",
+                rows[0].reaper,
+                drain_b100,
+                "",
+                ">= 1.0x",
+                lambda r: r >= 1.0,
+                note="baseline: the reaper's drain at batch 100, in process",
+            )
+        )
+    return rows
 
 
 def e2e_figures(url: str, workdir: Path, raw: dict, rooms: int) -> list[Row]:
@@ -310,6 +369,23 @@ def e2e_figures(url: str, workdir: Path, raw: dict, rooms: int) -> list[Row]:
     ]
 
 
+def incident_figure(url: str, sizes: Sizes, workdir: Path, raw: dict) -> Row:
+    """Every eligible room at once under a real `worker -B` with Kafka: from the first
+    closing to the last event on Kafka, over the first closing to the last closing."""
+    result = incident.run(url, workdir, sizes.eligible, prepare=lambda: seed.reset_eligible(url))
+    raw["incident"] = result
+    say(f"incident: {result}")
+    return Row(
+        f"incident, {sizes.eligible:,} rooms on `worker -B`: to Kafka / to closed (s)",
+        result["to_kafka_s"],
+        result["to_closed_s"],
+        "",
+        "<= 1.2x",
+        lambda r: r <= 1.2,
+        note="from the first closing: to the last event on Kafka / to the last closing",
+    )
+
+
 # -- main --------------------------------------------------------------------
 
 
@@ -322,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results as JSON here")
     parser.add_argument("--drop", action="store_true", help="drop the bench databases at the end")
     parser.add_argument(
-        "--only", default="drain,quiet,live,once,memory,relay,e2e", help="comma-separated figures"
+        "--only",
+        default="drain,quiet,live,once,memory,relay,incident,e2e",
+        help="comma-separated figures",
     )
     parser.add_argument(
         "--policies",
@@ -364,18 +442,26 @@ def main(argv: list[str] | None = None) -> int:
         if "quiet" in only:
             rows.append(quiet_figure(big_url, small_url, sizes, as_of, raw).settle())
         if "live" in only:
-            rows.append(live_figure(
-                args.database, sizes, as_of, raw, drop=args.drop, policies=args.policies
-            ).settle())
+            rows.append(
+                live_figure(
+                    args.database, sizes, as_of, raw, drop=args.drop, policies=args.policies
+                ).settle()
+            )
         if "once" in only:
             rows.append(reap_once_figure(big_url, raw))
         seed.seed_eligible(big_url, sizes.eligible, as_of)
+        drains: list[Row] = []
         if "drain" in only:
-            rows += [r.settle() for r in drain_figures(big_url, sizes, as_of, raw)]
+            drains = [r.settle() for r in drain_figures(big_url, sizes, as_of, raw)]
+            rows += drains
         if "relay" in only:
-            rows.append(relay_figure(big_url, sizes, raw).settle())
+            b100 = next((r.reaper for r in drains if "batch 100 " in r.figure), None)
+            rows += [r.settle() for r in relay_figures(big_url, sizes, raw, b100)]
         if "memory" in only:
-            rows += [r.settle() for r in memory_figure(big_url, sizes, workdir, raw)]
+            b1000 = next((r.reaper for r in drains if "batch 1000 " in r.figure), None)
+            rows += [r.settle() for r in memory_figure(big_url, sizes, workdir, raw, b1000)]
+        if "incident" in only:
+            rows.append(incident_figure(big_url, sizes, workdir, raw).settle())
         if "e2e" in only:
             rows += e2e_figures(big_url, workdir, raw, rooms=sizes.e2e_rooms)
     finally:

@@ -112,6 +112,62 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     return 1 if end.errors else 0
 
 
+def cmd_relay(settings: Settings, args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper.db import engine_of
+    from reaper.kafka import close_producer
+    from reaper.relay import Relay
+
+    if not args.once:
+        print(
+            "reaper relay: only --once is supported here; the worker runs the relay "
+            "(celery -A reaper worker -B)",
+            file=sys.stderr,
+        )
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        # settle the batches in flight, then stop: their rows are marked or rolled back
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        with engine_of(settings).connect():  # no database: one line, exit 1
+            pass
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    relay = Relay(settings, stop_event=stop)
+    try:
+        result = relay.run()  # what reaper.relay_outbox runs
+    finally:
+        close_producer()  # flushes: nothing of this process stays in flight
+    if result.kafka_unavailable:
+        print(
+            f"reaper: Kafka {settings.kafka_bootstrap_servers} could not be reached: "
+            f"{result.published} published, {result.pending} still pending",
+            file=sys.stderr,
+        )
+        return 1
+    if result.database_failed:
+        print(
+            f"reaper: the relay's database work failed: {result.published} published, "
+            "see the relay.db_failed log line",
+            file=sys.stderr,
+        )
+        return 1
+    if result.skipped:
+        print("reaper: another relay pass is running (a worker's): this one only counted",
+              file=sys.stderr)  # fmt: skip
+    data = result.to_json()
+    if args.json:
+        print(json.dumps(data, sort_keys=True))
+    else:
+        print(
+            f"published {data['published']}, failed {data['failed']}, "
+            f"parked {data['parked']}, pending {data['pending']}"
+        )
+    return 0
+
+
 def _database_failed(settings: Settings, exc: Exception) -> int:
     from sqlalchemy import make_url
 
@@ -351,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
         "of the active conferences",
     )
     reap.set_defaults(handler=cmd_reap)
+
+    relay = sub.add_parser(
+        "relay", help="one outbox relay pass in this process (pending events to Kafka)"
+    )
+    relay.add_argument("--once", action="store_true", help="run one pass and exit")
+    relay.add_argument("--json", action="store_true", help="print the result as JSON")
+    relay.set_defaults(handler=cmd_relay)
 
     status = sub.add_parser(
         "status", help="per phase: eligible now and oldest; outbox backlog; the run lock"

@@ -11,6 +11,10 @@ A pass is a pipeline of batches, each in its own transaction, in five steps:
    row that failed, park each row Kafka refused for good; commit;
 5. after the last batch, **retention** deletes old published rows.
 
+Batches follow each other until a claim finds nothing (a short batch is not
+the end: during an incident the pass follows the drain a batch behind), the
+pass's time is spent, a stop is asked or Kafka is gone.
+
 While one batch is awaited and marked (on a closer thread), the next is
 claimed and sent; their keys never overlap, so a deal's events never overtake
 each other. Killed between the send and the mark, a batch's transaction rolls
@@ -20,8 +24,9 @@ consumers dedupe by it). One pass runs at a time across all workers
 
 Errors are classified by kafka-python's public ``KafkaError.retriable``:
 Kafka unreachable ends the pass at once; a retriable failure backs the row
-off; a record refused for good (too large, an invalid topic) is parked, so it
-no longer holds back later rows of its key; any other non-retriable error means
+off; a record refused for good (too large, an invalid topic) is parked, and
+holds back the later rows of its key until an operator requeues it (nothing
+overtakes it; docs/design.md#parked-events); any other non-retriable error means
 the producer itself is broken: the row backs off and the producer is replaced.
 A row that failed ``REAPER_RELAY_MAX_ATTEMPTS`` times is parked too.
 """
@@ -101,6 +106,7 @@ class RelayResult:
     outbox_parked: int = 0
     deleted: int = 0
     kafka_unavailable: bool = False
+    database_failed: bool = False
     skipped: bool = False
     timed_out: bool = False
 
@@ -113,8 +119,13 @@ class RelayResult:
         self.kafka_unavailable = self.kafka_unavailable or report.unavailable is not None
 
     def to_json(self) -> dict[str, Any]:
-        """The task's result (docs/design.md#tasks)."""
-        return {"published": self.published, "failed": self.failed, "pending": self.pending}
+        """The task's result and ``reaper relay --once``'s (docs/design.md#tasks)."""
+        return {
+            "published": self.published,
+            "failed": self.failed,
+            "parked": self.parked,
+            "pending": self.pending,
+        }
 
 
 @dataclass
@@ -137,7 +148,6 @@ class InFlight:
 
     conn: Connection
     transaction: RootTransaction
-    overlapped: bool = False
     rows: list[Row] = field(default_factory=list)
     report: BatchReport = field(default_factory=BatchReport)
     by_key: OrderedDict[str, deque[Row]] = field(default_factory=OrderedDict)
@@ -190,6 +200,7 @@ class Relay:
                     result.skipped = True
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
+            result.database_failed = True
         self._measure(result)
         self.bus.emit(
             RelayPassCompleted(
@@ -228,7 +239,7 @@ class Relay:
             conn.close()
 
     def _pass(self, result: RelayResult) -> None:
-        """Batches until one comes back short, Kafka is gone, a stop is asked or the
+        """Batches until a claim finds nothing, Kafka is gone, a stop is asked or the
         pass's time is spent; then retention."""
         deadline = time.monotonic() + self.settings.relay_max_pass_duration.total_seconds()
         current: InFlight | None = None
@@ -239,20 +250,18 @@ class Relay:
         closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-close")
         closing: Future[BatchReport] | None = None
         try:
-            current = self._claim_and_send(overlapped=False)
+            current = self._claim_and_send()
             while current is not None:
-                going = not (
+                # A short batch is not the end: while a drain writes events, the
+                # pass follows it a batch behind instead of waiting for the next
+                # tick. Only a claim that finds nothing ends it.
+                more = not (
                     current.report.unavailable is not None
                     or time.monotonic() >= deadline
                     or self.stop_event.is_set()
                 )
-                # A claim made while another batch was in flight may come back
-                # short only because that batch held its keys: not the end.
-                more = going and (
-                    current.overlapped or current.report.claimed >= self.settings.relay_batch_size
-                )
                 closing, current = closer.submit(self._await_and_mark, current), None
-                following = self._claim_and_send(overlapped=True) if more else None
+                following = self._claim_and_send() if more else None
                 report = closing.result()
                 closing = None
                 result.add(report)
@@ -263,13 +272,14 @@ class Relay:
                     break
                 current, following = following, None
                 if current is None and more:
-                    current = self._claim_and_send(overlapped=False)
+                    current = self._claim_and_send()
         except SoftTimeLimitExceeded:
             # The batches in flight roll back: their rows go again next pass.
             log(logger, "relay.time_limit", level=logging.WARNING, published=result.published)
             result.timed_out = True
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
+            result.database_failed = True
         finally:
             # A batch being closed finishes on its own (bounded by the Kafka
             # timeout); the ones this thread holds are rolled back.
@@ -294,15 +304,16 @@ class Relay:
             result.pending, result.oldest_pending_age_seconds, result.outbox_parked = stats
         except SQLAlchemyError as exc:
             log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
+            result.database_failed = True
 
     # -- steps 1 and 2: claim, send the first round ----------------------------
 
-    def _claim_and_send(self, *, overlapped: bool) -> InFlight | None:
+    def _claim_and_send(self) -> InFlight | None:
         """Claim a batch in a new transaction and send its first round; None when
-        nothing is due. ``overlapped``: another batch of this pass is in flight."""
+        nothing is due."""
         conn = self.engine.connect()
         tx, queries = begin(conn, budgets.relay_batch(self.settings))
-        flight = InFlight(conn, tx, overlapped=overlapped)
+        flight = InFlight(conn, tx)
         try:
             queries.relay_planner()
             flight.rows = queries.claim_outbox_batch(self.settings.relay_batch_size)
@@ -397,8 +408,9 @@ class Relay:
 
     def _rounds(self, flight: InFlight) -> None:
         """Acknowledge the sent round; then the next row of every key whose row was
-        acknowledged or parked, until the batch is done or one Kafka timeout has
-        passed (the rest of those keys waits, in order, for a later batch)."""
+        acknowledged, until the batch is done or one Kafka timeout has passed (the
+        rest of those keys waits, in order, for a later batch). A key whose row
+        failed or was parked sends nothing more: its later rows wait behind it."""
         assert flight.producer is not None
         report = flight.report
         rounds_until = time.monotonic() + self.kafka_timeout
@@ -407,7 +419,7 @@ class Relay:
             acked = self._await(sent, report) if sent else []
             if report.unavailable is not None:
                 return
-            done = {row.id for row in acked} | set(report.refused)
+            done = {row.id for row in acked}
             following = []
             for queue in flight.by_key.values():
                 if queue and queue[0].id in done:
@@ -417,7 +429,7 @@ class Relay:
             if not following or time.monotonic() >= rounds_until:
                 break
             sent = self._send(flight.producer, following, report)
-        # rows behind a failed row of their key (or not reached) wait for later
+        # rows behind a failed or parked row of their key (or not reached) wait
         report.held_back = sum(len(q) - 1 for q in flight.by_key.values() if q)
 
     def _await(self, sent: list[tuple[Row, Any]], report: BatchReport) -> list[Row]:

@@ -19,8 +19,11 @@ FIGURES = (
     "`reaper reap --once`",
     "drain, batch 100",
     "drain, batch 1000",
-    "relay",
+    "relay, ",
+    "relay over the drain",
     "worker RSS",
+    "worker drain / in-process drain",
+    "incident",
     "end to end p99",
 )
 
@@ -71,8 +74,13 @@ def test_bench_tiny_prints_every_figure(tmp_path, database_url):
     assert all(d["rooms"] == raw["sizes"]["eligible"] for d in raw["drain"])
     quiet = next(r for f, r in rows.items() if f.startswith("quiet"))
     assert 0 < quiet["reaper"] < 10_000 and 0 < quiet["baseline"] < 10_000  # ms
-    relay = next(r for f, r in rows.items() if f.startswith("relay"))
-    assert relay["reaper"] > 0 and relay["baseline"] > 0
+    relays = [r for f, r in rows.items() if f.startswith("relay, ")]
+    assert len(relays) == 2 and all(r["reaper"] > 0 and r["baseline"] > 0 for r in relays)
+    sizes = raw["sizes"]
+    assert [r["events"] for r in raw["relay"]] == [sizes["relay"], sizes["relay_small"]]
+    incident = raw["incident"]
+    assert incident["rooms"] == sizes["eligible"]
+    assert 0 < incident["to_closed_s"] <= incident["to_kafka_s"]
     rss = next(r for f, r in rows.items() if f.startswith("worker RSS"))
     assert 10 < rss["baseline"] <= rss["reaper"] < 4096  # MiB
     assert raw["e2e"]["rooms"] == 20 and 0 <= raw["e2e"]["median_s"] <= raw["e2e"]["max_s"]

@@ -147,7 +147,7 @@ def test_celery_call_relay_outbox_by_hand(engine, kafka_broker, tmp_path):
         for ln in worker.output().splitlines()
         if f"reaper.relay_outbox[{task_id}] succeeded" in ln
     )
-    assert "{'published': 2, 'failed': 0, 'pending': 0}" in line
+    assert "{'published': 2, 'failed': 0, 'parked': 0, 'pending': 0}" in line
 
 
 @pytest.mark.process

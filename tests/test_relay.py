@@ -27,6 +27,7 @@ from sqlalchemy import Engine, text
 from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
+from reaper.events import Bus, RelayBatchCommitted
 from reaper.kafka import ProducerSlot, producer_config
 from reaper.queries import Queries
 from reaper.relay import Relay
@@ -137,7 +138,7 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
 
     published_before = metrics.sample("messenger_outbox_relay_published_total")
     result = make_relay(rsettings, engine, producers).run()
-    assert result.to_json() == {"published": 2, "failed": 0, "pending": 0}
+    assert result.to_json() == {"published": 2, "failed": 0, "parked": 0, "pending": 0}
     assert metrics.sample("messenger_outbox_relay_published_total") == published_before + 2
     assert metrics.sample("messenger_outbox_pending") == 0
 
@@ -200,7 +201,7 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
 
     # A second pass has nothing left to send.
     again = make_relay(rsettings, engine, producers).run()
-    assert again.to_json() == {"published": 0, "failed": 0, "pending": 0}
+    assert again.to_json() == {"published": 0, "failed": 0, "parked": 0, "pending": 0}
     assert len(read_topic(kafka_broker, topic, expect=3, timeout=2)) == 2
 
 
@@ -298,7 +299,7 @@ def test_a_failed_row_holds_back_its_key_while_other_keys_go_on(
     # Due again (the leader is back): both go, in order.
     with engine.begin() as conn:
         conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = now()"))
-    assert relay.run().to_json() == {"published": 2, "failed": 0, "pending": 0}
+    assert relay.run().to_json() == {"published": 2, "failed": 0, "parked": 0, "pending": 0}
     records = read_topic(kafka_broker, topic, expect=3)
     deal_a = sorted((r for r in records if r.key == "deal-a"), key=lambda r: r.offset)
     assert [r.event_id for r in deal_a] == [first, second]
@@ -309,11 +310,11 @@ def test_a_failed_row_holds_back_its_key_while_other_keys_go_on(
     "refusal",
     ["illegal-topic", "too-large"],
 )
-def test_a_row_refused_for_good_is_parked_and_holds_nothing_back(
+def test_a_row_refused_for_good_is_parked_and_holds_back_its_key(
     rsettings, engine, producers, topic, kafka_broker, caplog, refusal
 ):
-    """Refused as not retriable: parked at once (parked_at, last_error), and the later
-    rows of its key go on in the same pass."""
+    """Refused as not retriable: parked at once (parked_at, last_error); the later
+    rows of its key wait behind it, pass after pass; other keys go on."""
     caplog.set_level(logging.INFO, "reaper")
     rsettings = rsettings.model_copy(update={"kafka_max_request_size": 4096})
     with engine.begin() as conn:
@@ -328,20 +329,58 @@ def test_a_row_refused_for_good_is_parked_and_holds_nothing_back(
     relay = make_relay(rsettings, engine, producers)
 
     result = relay.run()
-    assert (result.published, result.failed, result.parked, result.pending) == (2, 0, 1, 0)
-    assert result.outbox_parked == 1
+    assert (result.published, result.failed, result.parked, result.pending) == (1, 0, 1, 1)
+    assert result.outbox_parked == 1 and result.held_back == 1
     rows = {str(r["event_id"]): r for r in outbox_rows(engine)}
     assert rows[refused]["parked_at"] is not None and rows[refused]["published_at"] is None
     assert rows[refused]["attempts"] == 1
     expected = "ValueError" if refusal == "illegal-topic" else "MessageSizeTooLargeError"
     assert expected in rows[refused]["last_error"]
-    assert rows[later]["published_at"] is not None and rows[other]["published_at"] is not None
+    assert rows[other]["published_at"] is not None
+    assert rows[later]["published_at"] is None and rows[later]["attempts"] == 0
     [parked] = log_events(caplog, "relay.row_parked")
     assert parked["event_id"] == refused
-    deal_a = [r.event_id for r in read_topic(kafka_broker, topic, expect=2) if r.key == "deal-a"]
-    assert deal_a == [later]
-    # A parked row is never claimed again.
-    assert relay.run().to_json() == {"published": 0, "failed": 0, "pending": 0}
+    # The parked row is never claimed again, and its key's later row stays behind it.
+    again = relay.run()
+    assert again.to_json() == {"published": 0, "failed": 0, "parked": 0, "pending": 1}
+    assert again.outbox_parked == 1
+    assert [r.event_id for r in read_topic(kafka_broker, topic, expect=1)] == [other]
+
+
+def test_a_later_event_goes_only_after_its_parked_predecessor(
+    rsettings, engine, producers, topic, kafka_broker
+):
+    """Across batches: rows of the parked key claimed in a later batch still wait.
+    Requeued while Kafka still refuses it, the row is parked again and the key stays
+    held; requeued once the cause is fixed, both go, in commit order."""
+    small = rsettings.model_copy(update={"kafka_max_request_size": 4096, "relay_batch_size": 2})
+    with engine.begin() as conn:
+        big = add_outbox_row(
+            conn, topic=topic, key="deal-a", payload={"eventId": "x", "pad": "p" * 8000}
+        )
+        fillers = [add_outbox_row(conn, topic=topic, key=f"deal-{i}") for i in range(4)]
+        later = add_outbox_row(conn, topic=topic, key="deal-a")  # a batch of its own
+    relay = make_relay(small, engine, producers)
+    first = relay.run()
+    assert (first.published, first.parked, first.pending) == (4, 1, 1)
+    assert sorted(r.event_id for r in read_topic(kafka_broker, topic, expect=4)) == sorted(fillers)
+
+    def requeue() -> int:
+        with engine.begin() as conn:
+            return Queries(conn).requeue_outbox(big)
+
+    assert requeue() == 1
+    still = relay.run()  # still too large: parked again, the later row still waits
+    assert (still.published, still.parked, still.pending) == (0, 1, 1)
+
+    assert requeue() == 1
+    fixed = make_relay(small.model_copy(update={"kafka_max_request_size": 1_048_576}),
+                       engine, producers)  # fmt: skip
+    done = fixed.run()
+    assert (done.published, done.parked, done.pending, done.outbox_parked) == (2, 0, 0, 0)
+    records = read_topic(kafka_broker, topic, expect=6)
+    deal_a = [r.headers["event-id"] for r in records if r.key == "deal-a"]
+    assert deal_a == [big, later]
 
 
 def test_a_row_out_of_attempts_is_parked(rsettings, engine, producers, topic):
@@ -439,6 +478,157 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
         broker.stop()
 
 
+# -- failures in the middle of a pipelined pass ---------------------------------
+
+
+def add_spread_rows(engine: Engine, topic: str, keys: int, per_key: int) -> list[tuple[str, str]]:
+    """``keys`` deals with ``per_key`` events each, interleaved, so every batch of a
+    pass holds several rows of each deal: (key, event id) in commit order."""
+    rows = []
+    with engine.begin() as conn:
+        for _ in range(per_key):
+            for k in range(keys):
+                rows.append((f"deal-{k}", add_outbox_row(conn, topic=topic, key=f"deal-{k}")))
+    return rows
+
+
+def published_prefixes(engine: Engine) -> dict[str, int]:
+    """Per key: how many of its rows are published; asserts they are the first ones
+    (in commit order: nothing overtook an earlier row of its deal)."""
+    by_key: dict[str, list[bool]] = {}
+    for row in outbox_rows(engine):
+        by_key.setdefault(row["message_key"], []).append(row["published_at"] is not None)
+    prefixes = {}
+    for key, published in by_key.items():
+        count = sum(published)
+        assert published == [True] * count + [False] * (len(published) - count), key
+        prefixes[key] = count
+    return prefixes
+
+
+@pytest.mark.process
+def test_broker_stopping_mid_pass_marks_only_acknowledged_rows_in_order(
+    database_url, engine, producers
+):
+    """Kafka goes away while batches are in flight: the pass ends, what was
+    acknowledged is marked and nothing else, no row is charged or parked, each
+    deal's published rows are its first ones; the next pass, Kafka back, sends the
+    rest in order."""
+    broker = Tansu().start()
+    port = broker.port
+    try:
+        topic = "pin.messenger.conference-ended.v1"
+        create_topic(broker.bootstrap, topic)
+        settings = relay_settings(database_url, broker.bootstrap, topic, relay_batch_size=100)
+        rows = add_spread_rows(engine, topic, keys=40, per_key=100)
+        bus = Bus()
+        killed = threading.Event()
+
+        def kill_broker_once(fact: RelayBatchCommitted) -> None:
+            if fact.published and not killed.is_set():
+                killed.set()
+                assert broker.proc is not None
+                broker.proc.kill()  # at once, mid-pass: later batches are in flight
+
+        bus.subscribe(RelayBatchCommitted, kill_broker_once)
+        relay = make_relay(settings, engine, producers, bus=bus)
+        started = time.monotonic()
+        down = relay.run()
+        assert time.monotonic() - started < 30
+        broker.stop()
+        assert killed.is_set() and down.kafka_unavailable and 0 < down.published < len(rows)
+        assert down.parked == 0 and down.pending == len(rows) - down.published
+        prefixes = published_prefixes(engine)
+        assert sum(prefixes.values()) == down.published
+        assert all(r["parked_at"] is None for r in outbox_rows(engine))
+
+        broker = Tansu(port=port).start()  # Kafka is back (empty: a new broker)
+        create_topic(broker.bootstrap, topic)
+        with engine.begin() as conn:  # due again now, not after the back-off
+            conn.execute(text("UPDATE messenger.integration_outbox SET next_attempt_at = NULL"))
+        back = relay.run()
+        assert (back.published, back.pending, back.parked) == (len(rows) - down.published, 0, 0)
+        records = read_topic(broker.bootstrap, topic, expect=back.published)
+        for key, done in prefixes.items():
+            sent = [r.event_id for r in sorted(records, key=lambda r: r.offset) if r.key == key]
+            assert sent == [e for k, e in rows if k == key][done:], key
+    finally:
+        broker.stop()
+
+
+@pytest.mark.parametrize("how", ["stop-asked", "pass-bound"])
+def test_a_pass_ended_mid_way_settles_its_batches_in_flight(
+    rsettings, engine, producers, topic, kafka_broker, how
+):
+    """A warm shutdown (the stop event) or REAPER_RELAY_MAX_PASS_DURATION in the
+    middle of a pass: no new claim, the batches in flight are awaited and marked,
+    so every record on Kafka is a published row (none sent twice, none left
+    unmarked) and each deal's published rows are its first ones."""
+    bound = timedelta(seconds=1) if how == "pass-bound" else timedelta(seconds=60)
+    settings = rsettings.model_copy(
+        update={"relay_batch_size": 100, "relay_max_pass_duration": bound}
+    )
+    rows = add_spread_rows(engine, topic, keys=40, per_key=100)
+    stop = threading.Event()
+    bus = Bus()
+
+    def slow_close(fact: RelayBatchCommitted) -> None:
+        if how == "stop-asked":
+            stop.set()  # after the first batch: the one claimed meanwhile still settles
+        else:
+            time.sleep(0.3)  # batches close slowly: the pass's bound comes first
+
+    bus.subscribe(RelayBatchCommitted, slow_close)
+    relay = make_relay(settings, engine, producers, bus=bus, stop_event=stop)
+    started = time.monotonic()
+    result = relay.run()
+    assert time.monotonic() - started < bound.total_seconds() + 5
+    assert 0 < result.published < len(rows) and not result.timed_out
+    assert result.pending == len(rows) - result.published
+    assert sum(published_prefixes(engine).values()) == result.published
+    records = read_topic(kafka_broker, topic, expect=result.published + 1, timeout=3)
+    assert len(records) == result.published
+    with engine.connect() as conn:  # nothing is left locked: all of it claimable again
+        claimable = Queries(conn).claim_outbox_batch(10_000)
+        conn.rollback()
+    assert len(claimable) == result.pending
+
+
+def test_a_record_refused_mid_pass_is_parked_and_the_pass_goes_on(
+    rsettings, engine, producers, topic, kafka_broker
+):
+    """A record Kafka refuses for good in the middle of a pass of many batches in
+    flight: parked, its deal's later rows wait behind it, every other row is
+    published in order."""
+    settings = rsettings.model_copy(
+        update={"relay_batch_size": 100, "kafka_max_request_size": 4096}
+    )
+    rows = add_spread_rows(engine, topic, keys=40, per_key=25)
+    refused_key, refused_id = rows[len(rows) // 2]
+    with engine.begin() as conn:  # too large to send
+        conn.execute(
+            text(
+                "UPDATE messenger.integration_outbox SET payload = payload"
+                " || jsonb_build_object('pad', repeat('p', 8000)) WHERE event_id = CAST(:e AS uuid)"
+            ),
+            {"e": refused_id},
+        )
+    mine = [e for k, e in rows if k == refused_key]
+    behind = len(mine) - mine.index(refused_id) - 1
+    result = make_relay(settings, engine, producers).run()
+    assert (result.parked, result.failed) == (1, 0)
+    assert (result.published, result.pending) == (len(rows) - 1 - behind, behind)
+    prefixes = published_prefixes(engine)
+    assert prefixes[refused_key] == mine.index(refused_id)
+    records = sorted(
+        read_topic(kafka_broker, topic, expect=result.published), key=lambda r: r.offset
+    )
+    for key, done in prefixes.items():
+        assert [r.event_id for r in records if r.key == key] == [e for k, e in rows if k == key][
+            :done
+        ], key
+
+
 def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
     database_url, engine, producers, caplog
 ):
@@ -452,7 +642,7 @@ def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
     started = time.monotonic()
     result = make_relay(settings, engine, producers).run()
     assert time.monotonic() - started < 10
-    assert result.to_json() == {"published": 0, "failed": 3, "pending": 3}
+    assert result.to_json() == {"published": 0, "failed": 3, "parked": 0, "pending": 3}
     rows = outbox_rows(engine)
     assert all(r["published_at"] is None and r["attempts"] == 0 for r in rows)
     assert all(r["next_attempt_at"] is not None for r in rows)
@@ -542,7 +732,12 @@ def test_soft_time_limit_ends_the_pass_and_marks_nothing(database_url, engine, p
         signal.signal(signal.SIGALRM, previous)
         black_hole.close()
     assert time.monotonic() - started < 8
-    assert result.timed_out and result.to_json() == {"published": 0, "failed": 0, "pending": 1}
+    assert result.timed_out and result.to_json() == {
+        "published": 0,
+        "failed": 0,
+        "parked": 0,
+        "pending": 1,
+    }
     [row] = outbox_rows(engine)
     assert (row["attempts"], row["last_error"], row["published_at"]) == (0, None, None)
     assert log_events(caplog, "relay.time_limit")
@@ -645,12 +840,18 @@ def test_one_pass_at_a_time_the_other_only_measures(rsettings, engine, producers
         holder.begin()
         assert Queries(holder).try_relay_lock()  # a pass "in flight" elsewhere
         result = make_relay(rsettings, engine, producers).run()
-        assert result.skipped and result.to_json() == {"published": 0, "failed": 0, "pending": 3}
+        assert result.skipped and result.to_json() == {
+            "published": 0,
+            "failed": 0,
+            "parked": 0,
+            "pending": 3,
+        }
         assert log_events(caplog, "relay.skipped")
         holder.rollback()
     assert make_relay(rsettings, engine, producers).run().to_json() == {
         "published": 3,
         "failed": 0,
+        "parked": 0,
         "pending": 0,
     }
 
