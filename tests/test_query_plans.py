@@ -197,6 +197,13 @@ def open_fence(conn: Connection) -> None:
             "SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0))"
         )
     )
+    # a run another test left open is closed here too (the caller rolls back)
+    conn.execute(
+        text(
+            "UPDATE messenger.reaper_runs SET finished_at = now(), outcome = 'taken_over'"
+            " WHERE finished_at IS NULL"
+        )
+    )
     conn.execute(
         text(
             "INSERT INTO messenger.reaper_runs (run_id, as_of, started_at, deadline,"
