@@ -105,7 +105,7 @@ def cycle_taken_over(fact: CycleTakenOver) -> None:
         run_id=fact.run_id,
         previous_run_id=fact.previous_run_id,
         lease_expired_at=rfc3339(fact.previous_lease_expired_at),
-        reason="the previous cycle's owner died or hung past REAPER_LOCK_TTL",
+        reason="the previous cycle's owner gave no sign of life for REAPER_RUN_LEASE",
     )
 
 

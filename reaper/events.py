@@ -217,7 +217,8 @@ class PhaseFailed:
 
 @dataclass(frozen=True, slots=True)
 class LockLost:
-    """The server ended the run lock's session: the phase outlived REAPER_LOCK_TTL."""
+    """The phase's lock session was gone at its release: the server or the network
+    ended it (a frozen or partitioned owner, a hung one past REAPER_LOCK_TTL)."""
 
     run_id: str
     phase: str
