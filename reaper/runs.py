@@ -51,6 +51,7 @@ from reaper.clock import rfc3339, utcnow
 from reaper.config import Settings
 from reaper.db import begin, transaction
 from reaper.errors import describe
+from reaper.lock import holder
 from reaper.queries import Queries
 
 # An as_of given by hand may be at most this much later than the database's clock.
@@ -370,10 +371,10 @@ class Runs:
             raise
 
     def _holder(self) -> int | None:
-        """The backend pid holding the lock, or None (read-only, best effort)."""
+        """The backend pid holding the lock, or None (best effort: this names the
+        holder in an error that is being raised already)."""
         try:
-            with transaction(self.engine, budgets.quick(self.settings)) as queries:
-                return queries.run_lock_holder()
+            return holder(self.engine)
         except SQLAlchemyError:
             return None
 
