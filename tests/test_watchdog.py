@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -15,7 +13,7 @@ from sqlalchemy import Engine, create_engine, make_url, text
 from reaper import budgets
 from reaper.db import NoAnswer, engine_for, transaction
 from reaper.watchdog import TICK_S, WaitExceeded, Watchdog
-from tests.support.ports import free_port
+from tests.support.netfault import Proxy
 
 
 def test_a_wait_past_its_bound_is_ended() -> None:
@@ -45,66 +43,27 @@ def test_a_wait_within_its_bound_is_left_alone() -> None:
         assert ours.recv(1) == b"y"
 
 
-class Relay:
-    """A TCP relay to PostgreSQL that can stop passing bytes while its kernel still
-    acknowledges them: a pooler that has no server connection for its client."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.upstream = (host, port)
-        self.port = free_port()
-        self.passing = threading.Event()
-        self.passing.set()
-        self._server = socket.create_server(("127.0.0.1", self.port))
-        self._sockets: list[socket.socket] = [self._server]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.upstream, timeout=5)
-            upstream.settimeout(None)
-            self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                self.passing.wait()
-                sink.sendall(data)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.passing.set()
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.close()
-
-
 @pytest.fixture
-def relay(database_url: str) -> Iterator[tuple[Relay, Engine]]:
+def relay(database_url: str) -> Iterator[tuple[Proxy, Engine]]:
+    """PostgreSQL behind a relay the test can pause: a pooler that has no server
+    connection for its client (the kernel still acknowledges every byte)."""
     url = make_url(database_url)
-    relay = Relay(url.host or "127.0.0.1", url.port or 5432)
-    engine = create_engine(url.set(host="127.0.0.1", port=relay.port), pool_pre_ping=False)
-    try:
-        yield relay, engine
-    finally:
-        engine.dispose()
-        relay.close()
+    with Proxy(url.host or "127.0.0.1", url.port or 5432, name="watchdog") as relay:
+        engine = create_engine(url.set(host="127.0.0.1", port=relay.port), pool_pre_ping=False)
+        try:
+            yield relay, engine
+        finally:
+            engine.dispose()
 
 
 def test_a_transaction_nobody_answers_fails_within_the_first_answer_bound(
-    relay: tuple[Relay, Engine], monkeypatch: pytest.MonkeyPatch, settings
+    relay: tuple[Proxy, Engine], monkeypatch: pytest.MonkeyPatch, settings
 ) -> None:
     relay_, engine = relay
     monkeypatch.setattr(budgets, "FIRST_ANSWER", timedelta(seconds=0.5))
     with transaction(engine, budgets.quick(settings)) as queries:  # passes while it relays
         queries.database_clock()
-    relay_.passing.clear()
+    relay_.pause()
     started = time.monotonic()
     with (
         pytest.raises(NoAnswer, match=r"no answer within 0\.5 s .* no server connection was free"),
@@ -113,13 +72,13 @@ def test_a_transaction_nobody_answers_fails_within_the_first_answer_bound(
         pass
     took = time.monotonic() - started
     assert took <= 0.5 + 2 * TICK_S + 0.5, took
-    relay_.passing.set()
+    relay_.resume()
     with transaction(engine, budgets.quick(settings)) as queries:  # a new connection
         queries.database_clock()
 
 
 def test_a_pooled_connection_nobody_answers_fails_its_checkout_within_the_bound(
-    relay: tuple[Relay, Engine], monkeypatch: pytest.MonkeyPatch
+    relay: tuple[Proxy, Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The pool's ping before a pooled connection is used is bounded as well."""
     relay_, plain = relay
@@ -127,12 +86,12 @@ def test_a_pooled_connection_nobody_answers_fails_its_checkout_within_the_bound(
     monkeypatch.setattr(budgets, "FIRST_ANSWER", timedelta(seconds=0.5))
     with engine.connect() as conn:
         conn.execute(text("SELECT 1"))
-    relay_.passing.clear()
+    relay_.pause()
     started = time.monotonic()
     with pytest.raises(NoAnswer), engine.connect():
         pass
     assert time.monotonic() - started <= 0.5 + 2 * TICK_S + 0.5
-    relay_.passing.set()
+    relay_.resume()
     engine.dispose()
 
 

@@ -116,6 +116,11 @@ class Proxy:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # Cleared by pause(): bytes are still read (the kernel acknowledges them)
+        # but not passed on, as a pooler with no server connection free does.
+        self.passing = threading.Event()
+        self.passing.set()
+        self._ruled = False  # a rule was ever added: heal() must look for it
 
     # -- relaying ------------------------------------------------------------------
 
@@ -157,6 +162,7 @@ class Proxy:
                 data = source.recv(65536)
                 if not data:
                     break
+                self.passing.wait()
                 sink.sendall(data)
         except (OSError, ValueError):  # a reset, or the socket closed by close()
             pass
@@ -182,6 +188,7 @@ class Proxy:
                 pairs = link.port_pairs()
             except OSError:  # it closed meanwhile: nothing left to cut
                 continue
+            self._ruled = True
             for sport, dport in pairs:
                 _iptables("-I", *self._rule(sport, dport))
             link.cut = True
@@ -199,8 +206,17 @@ class Proxy:
         listed = _iptables("-S", "INPUT")
         return [line for line in listed.splitlines() if self.tag in shlex.split(line)]
 
+    def pause(self) -> None:
+        """Stop passing bytes on, both ways, while still reading them."""
+        self.passing.clear()
+
+    def resume(self) -> None:
+        self.passing.set()
+
     def heal(self) -> None:
         """Delete every rule this proxy added (found by its comment)."""
+        if not self._ruled:  # never cut: nothing to look for (and no iptables to run)
+            return
         for line in self.rules():
             spec = shlex.split(line)
             _iptables("-D", *spec[1:])  # "-A INPUT ..." -> "-D INPUT ..."
@@ -211,6 +227,7 @@ class Proxy:
             self.heal()
         finally:
             self._stop.set()
+            self.passing.set()
             self._listener.close()
             with self._lock:
                 links = list(self._links)
