@@ -191,3 +191,20 @@ def test_every_log_event_is_documented_at_its_levels():
         if (levels is not None and stated != levels) or not stated:
             wrong[name] = (documented.get(name), sorted(levels) if levels else "computed")
     assert not wrong, f"event: (documented level, level in the code): {wrong}"
+
+
+def test_nothing_logs_around_reaper_logs_log():
+    """A line logged by a logger's own methods has no event name, and the scan
+    above would not see it."""
+    methods = {"debug", "info", "warning", "error", "exception", "critical", "log"}
+    direct = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in sorted(SOURCES.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in methods
+        and isinstance(node.func.value, ast.Name)
+        and (node.func.value.id == "logging" or node.func.value.id.endswith("logger"))
+    ]
+    assert not direct, f"log lines without an event name (use reaper.logs.log): {direct}"
