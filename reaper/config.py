@@ -150,7 +150,7 @@ class Settings(BaseSettings):
     conference_ended_topic: str = Field(
         "pin.messenger.conference-ended.v1", pattern=r"^[A-Za-z0-9._-]{1,249}$"
     )
-    # Kafka client security (see README "Outbox relay and Kafka").
+    # Kafka client security (docs/design.md#configuration).
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
     kafka_sasl_username: str | None = None
