@@ -37,7 +37,7 @@ _engines: dict[tuple[str, Peer | None, int], Engine] = {}
 
 
 def engine_for(url: str, *, peer: Peer | None = None, pool_size: int = 4) -> Engine:
-    """One pooled engine per URL and process (re-created after a fork, see celery_app).
+    """One pooled engine per URL and process (re-created after a fork, see lifecycle).
 
     ``peer`` bounds every connection on the worker's side (libpq's connect
     timeout, keepalives and TCP user timeout); the server's side is bounded per

@@ -160,6 +160,17 @@ class ConferenceAnomaly:
     problem: str
 
 
+@dataclass(frozen=True)
+class StopRequest:
+    """A running recording of a reaped room, due to the recorder stop task
+    (:mod:`reaper.recorder` sends it; the engine only reports it)."""
+
+    recording_id: str
+    conference_id: str
+    reason: str
+    attempts: int = 0  # signals sent before that the recorder did not take
+
+
 @dataclass(frozen=True, slots=True)
 class BatchCommitted:
     run_id: str
@@ -169,9 +180,9 @@ class BatchCommitted:
     reaped: tuple[ConferenceReaped, ...]
     rejected: tuple[ConferenceRejected, ...]
     locked: int  # rows a command held (SKIP LOCKED) as this batch saw them
-    # reaper.recorder.StopRequest: the running recordings of the reaped rooms, now
-    # due to the stop task (the state is in the database; nothing here sends them)
-    stops: tuple[Any, ...]
+    # the running recordings of the reaped rooms, now due to the stop task (the
+    # state is in the database; nothing here sends them)
+    stops: tuple[StopRequest, ...]
     started_ns: int  # wall clock, for spans
     ended_ns: int
 

@@ -4,7 +4,7 @@ The producer owns a sender thread, so it must be created after the prefork
 fork (a thread does not survive into a child) and closed when the process
 ends: ``get_producer`` creates it on first use in the calling process,
 ``close_producer`` flushes and closes it (wired to ``worker_process_shutdown``
-and ``worker_shutdown`` in :mod:`reaper.celery_app`).
+and ``worker_shutdown`` in :mod:`reaper.lifecycle`).
 """
 
 from __future__ import annotations

@@ -1,49 +1,39 @@
-"""What the operator sees: ``reaper status``, ``reaper plan``, ``reaper policy list``
-and the database gauges.
+"""What the operator sees: ``reaper status``, ``reaper plan``, ``reaper policy list``,
+``reaper outbox parked``.
 
-Read-only. The census and the plan use the phases' own predicates and phase
-order (``eligible_census`` / ``plan_candidates`` in ``sql/queries.sql``), and
-the plan applies the mass-closure guard's rule, so ``reaper plan`` lists what
-the next cycle at the same moment would close.
+Read-only. The plan uses the phases' own predicates and phase order
+(``plan_candidates`` in ``sql/queries.sql``) and the census
+(:mod:`reaper.census`), and applies the mass-closure guard's rule, so
+``reaper plan`` lists what the next cycle at the same moment would close.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, make_url
-from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import budgets
+from reaper.census import (
+    ACTIVITY_AHEAD_TOLERANCE,
+    SHORT,
+    activity_ahead_count,
+    census,
+    cutoffs,
+)
 from reaper.clock import human
 from reaper.clock import rfc3339_or_none as rfc3339
 from reaper.config import Settings
 from reaper.control import TenantPolicy
 from reaper.db import transaction
-from reaper.errors import describe
-from reaper.events import GaugesMeasured
-from reaper.logs import get_logger, log
 from reaper.phases import ORDER, PHASES, Phase, tenant_windows
 from reaper.queries import Queries
-
-logger = get_logger("overview")
 
 
 def safe_url(url: str) -> str:
     """The database URL without its password."""
     return make_url(url).render_as_string(hide_password=True)
-
-
-SHORT = {"empty_room": "empty", "provision_timeout": "provision", "stale_live": "stale"}
-
-
-def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
-    """Per phase the default cutoff."""
-    return {
-        f"{short}_cutoff": PHASES[name].cutoff(settings, as_of) for name, short in SHORT.items()
-    }
 
 
 def ranges(queries: Queries, settings: Settings, as_of: datetime) -> dict[str, datetime]:
@@ -53,78 +43,6 @@ def ranges(queries: Queries, settings: Settings, as_of: datetime) -> dict[str, d
         f"{short}_range": PHASES[name].range_cutoff(settings, as_of, shortest)
         for name, short in SHORT.items()
     }
-
-
-@dataclass(frozen=True)
-class PhaseCensus:
-    phase: str
-    eligible: int
-    oldest_eligible_since: datetime | None
-    window: timedelta
-
-    def overdue(self, as_of: datetime) -> float | None:
-        if self.oldest_eligible_since is None:
-            return None
-        return max(0.0, (as_of - self.oldest_eligible_since).total_seconds())
-
-
-@dataclass(frozen=True)
-class Census:
-    as_of: datetime
-    phases: dict[str, PhaseCensus]
-
-    @property
-    def backlog(self) -> int:
-        return sum(p.eligible for p in self.phases.values())
-
-
-def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
-    queries.census_planner()  # for the rest of the caller's (read-only) transaction
-    row = queries.eligible_census(as_of=as_of, **cutoffs(settings, as_of))._mapping
-    phases = {
-        name: PhaseCensus(
-            phase=name,
-            eligible=int(row[name]),
-            oldest_eligible_since=row[f"{name}_since"],
-            window=PHASES[name].window(settings),
-        )
-        for name in ORDER
-    }
-    return Census(as_of, phases)
-
-
-# A room whose last_activity_at is later than the database's clock by more than
-# this is an anomaly (docs/design.md#anomalies): held, reported and alerted. A
-# writer whose clock is a little ahead stamps busy rooms just ahead all the
-# time, which only delays their closing by as much; the tolerance is the one a
-# hand-given as_of has (runs.AS_OF_TOLERANCE), so such jitter is not reported.
-ACTIVITY_AHEAD_TOLERANCE = timedelta(seconds=5)
-
-
-def activity_ahead_count(queries: Queries, now: datetime) -> int:
-    """Active rooms whose last_activity_at is ahead of the database's clock ``now``
-    (+infinity included): no phase ever selects them."""
-    return queries.activity_ahead_count(now + ACTIVITY_AHEAD_TOLERANCE)
-
-
-def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
-    """active_backlog, activity_ahead, the outbox gauges and the last completed run,
-    as the database says now; None if it failed."""
-    try:
-        with transaction(engine, budgets.read(settings)) as queries:
-            now = queries.database_clock()
-            result = census(queries, settings, now)
-            ahead = activity_ahead_count(queries, now)
-            pending, oldest, parked = queries.outbox_pending_stats()
-            paused = tuple(row.phase for row in queries.active_pauses())
-            last_run = queries.last_run_completed()
-    except SQLAlchemyError as exc:
-        log(logger, "metrics.refresh_failed", level=30, error=describe(exc))
-        return None
-    completed_at = last_run.finished_at if last_run is not None else None
-    return GaugesMeasured(
-        result.backlog, pending, oldest, parked, paused, completed_at, activity_ahead=ahead
-    )
 
 
 # -- reaper status -----------------------------------------------------------

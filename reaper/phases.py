@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from reaper.config import Settings
-from reaper.events import ConferenceAnomaly, ConferenceReaped, ConferenceRejected
+from reaper.events import ConferenceAnomaly, ConferenceReaped, ConferenceRejected, StopRequest
 from reaper.queries import Queries
-from reaper.recorder import StopRequest
 
 # Per phase, the shortest window any tenant policy sets (None: none does).
 Shortest = dict[str, timedelta | None]

@@ -41,7 +41,7 @@ from reaper import budgets
 from reaper.config import Settings
 from reaper.db import begin, engine_of, transaction
 from reaper.errors import describe
-from reaper.events import Bus, StopPassCompleted, StopSignalsSent, process_bus
+from reaper.events import Bus, StopPassCompleted, StopRequest, StopSignalsSent, process_bus
 from reaper.logs import get_logger, log
 
 logger = get_logger("recorder")
@@ -54,14 +54,6 @@ MAX_HEAD = 64 * 1024
 _STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: [^\r\n]*)?")
 
 Outcome = Literal["taken", "failed", "unsent"]
-
-
-@dataclass(frozen=True)
-class StopRequest:
-    recording_id: str
-    conference_id: str
-    reason: str
-    attempts: int = 0  # signals sent before that the recorder did not take
 
 
 class BadAnswer(Exception):

@@ -51,7 +51,6 @@ from reaper.clock import rfc3339, utcnow
 from reaper.config import Settings
 from reaper.db import begin, transaction
 from reaper.errors import describe
-from reaper.lock import holder
 from reaper.queries import Queries
 
 # An as_of given by hand may be at most this much later than the database's clock.
@@ -77,6 +76,13 @@ class RunLockBusy(RuntimeError):
 
 class AsOfRefused(ValueError):
     """A hand-given as_of is in the database's future: it could close rooms in use."""
+
+
+def holder(engine: Engine) -> int | None:
+    """The backend pid holding the single-runner lock, or None when it is free:
+    read from ``pg_locks``, without taking it."""
+    with engine.connect() as conn:
+        return Queries(conn).run_lock_holder()
 
 
 def owner() -> str:
@@ -308,11 +314,11 @@ class Runs:
                 )
             start = Start(run_id, as_of or now, now, skew)
             if not queries.try_run_lock():
-                holder = queries.run_lock_holder()
+                pid = queries.run_lock_holder()
                 return replace(
                     start,
                     skipped="the single-runner lock is held by another session",
-                    holder_pid=holder if holder is not None else -1,
+                    holder_pid=pid if pid is not None else -1,
                 )
             current = queries.open_run()
             if current is not None and current.live:

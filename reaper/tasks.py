@@ -18,9 +18,10 @@ from typing import Any
 
 from celery import Task, chain
 
-from reaper.celery_app import app, stopping
+from reaper.celery_app import app
 from reaper.config import get_settings
 from reaper.cycle import Reaper
+from reaper.lifecycle import stopping
 from reaper.phases import ORDER, PHASES
 from reaper.recorder import StopPass
 from reaper.relay import Relay

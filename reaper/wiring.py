@@ -16,7 +16,7 @@ import weakref
 
 from sqlalchemy import Engine
 
-from reaper import eventlog, metrics, overview, tracing
+from reaper import census, eventlog, metrics, tracing
 from reaper.config import Settings
 from reaper.db import engine_of
 from reaper.events import Bus, CycleFinished, process_bus
@@ -59,6 +59,6 @@ class Gauges:
         self.refresh()
 
     def refresh(self) -> None:
-        measured = overview.measure(self.engine, self.settings)
+        measured = census.measure(self.engine, self.settings)
         if measured is not None:
             self.bus.emit(measured)

@@ -18,10 +18,10 @@ import pytest
 from sqlalchemy import Engine
 
 from reaper import metrics
+from reaper.census import measure
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.events import Bus
-from reaper.overview import measure
 from reaper.wiring import Gauges
 from tests.support import factory as f
 from tests.support.processes import run_cli

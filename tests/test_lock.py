@@ -15,8 +15,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from reaper.config import Settings
-from reaper.lock import holder
-from reaper.runs import Runs
+from reaper.runs import Runs, holder
 
 KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
 

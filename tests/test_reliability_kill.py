@@ -24,7 +24,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 
 from reaper.clock import rfc3339
-from reaper.lock import holder
+from reaper.runs import holder
 from tests.support import factory as f
 from tests.support import services
 from tests.support.factory import T0

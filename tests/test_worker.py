@@ -21,9 +21,8 @@ from reaper.celery_app import app
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.db import transaction
-from reaper.lock import holder
 from reaper.phases import EMPTY_ROOM, reap_batch
-from reaper.runs import Runs
+from reaper.runs import Runs, holder
 from tests.support import factory as f
 from tests.support.facts import count_events
 from tests.support.ports import free_port

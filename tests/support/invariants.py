@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, Engine, text
 
-from reaper.lock import holder
+from reaper.runs import holder
 
 # Every terminal conference has exactly its outbox rows, and every outbox row
 # its transition: Ended (by anyone) -> 1 integration + 1 ConferenceEnded;
