@@ -25,7 +25,7 @@ from reaper.db import transaction
 from reaper.errors import describe
 from reaper.events import GaugesMeasured
 from reaper.logs import get_logger, log
-from reaper.phases import ORDER, PHASES, Phase, tenant_windows
+from reaper.phases import ORDER, PHASES, Phase, bounds, cutoffs, tenant_windows
 from reaper.queries import Queries
 
 logger = get_logger("overview")
@@ -34,25 +34,6 @@ logger = get_logger("overview")
 def safe_url(url: str) -> str:
     """The database URL without its password."""
     return make_url(url).render_as_string(hide_password=True)
-
-
-SHORT = {"empty_room": "empty", "provision_timeout": "provision", "stale_live": "stale"}
-
-
-def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
-    """Per phase the default cutoff."""
-    return {
-        f"{short}_cutoff": PHASES[name].cutoff(settings, as_of) for name, short in SHORT.items()
-    }
-
-
-def ranges(queries: Queries, settings: Settings, as_of: datetime) -> dict[str, datetime]:
-    """Per phase the widest cutoff, the end of its index range (plan_candidates)."""
-    shortest = tenant_windows(queries)
-    return {
-        f"{short}_range": PHASES[name].range_cutoff(settings, as_of, shortest)
-        for name, short in SHORT.items()
-    }
 
 
 @dataclass(frozen=True)
@@ -299,8 +280,7 @@ def plan(
         rows = queries.plan_candidates(
             as_of=as_of,
             per_phase=per_phase,
-            **cutoffs(settings, as_of),
-            **ranges(queries, settings, as_of),
+            **bounds(settings, as_of, tenant_windows(queries)),
         )
         active = queries.active_count()
         paused = {row.phase: row.reason for row in queries.active_pauses()}

@@ -32,6 +32,8 @@ class Phase:
     # the column of messenger.reaper_tenant_policies (and of Settings) that holds
     # a tenant's own window for this phase (docs/design.md#windows-per-tenant)
     window_name: str = ""
+    # the prefix of its bounds in sql/queries.sql (:empty_cutoff, :empty_range)
+    param: str = ""
 
     def window(self, settings: Settings) -> timedelta:
         """The default window; a tenant's policy replaces it for its conferences."""
@@ -53,15 +55,15 @@ class Phase:
 
 EMPTY_ROOM = Phase(
     "empty_room", "empty_timeout", "empty_timeout_count", "Ended", "EmptyTimeout",
-    window_name="empty_room_grace",
+    window_name="empty_room_grace", param="empty",
 )  # fmt: skip
 PROVISION_TIMEOUT = Phase(
     "provision_timeout", "provision_failed", "provision_failed_count", "Failed", "Error",
-    window_name="provision_timeout",
+    window_name="provision_timeout", param="provision",
 )  # fmt: skip
 STALE_LIVE = Phase(
     "stale_live", "stale_timeout", "stale_timeout_count", "Ended", "Timeout", guarded=True,
-    window_name="stale_live_timeout",
+    window_name="stale_live_timeout", param="stale",
 )  # fmt: skip
 
 # A transition is terminal, so a room closed by an earlier phase is invisible to
@@ -75,6 +77,20 @@ def tenant_windows(queries: Queries) -> Shortest:
     with the default, it bounds the phase's index range (Phase.range_cutoff)."""
     row = queries.tenant_window_bounds()
     return {name: getattr(row, name) for name in ORDER}
+
+
+def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
+    """Every phase's default cutoff, as the statements name it (:empty_cutoff, ...)."""
+    return {f"{p.param}_cutoff": p.cutoff(settings, as_of) for p in PHASES.values()}
+
+
+def bounds(settings: Settings, as_of: datetime, shortest: Shortest) -> dict[str, datetime]:
+    """Every phase's default cutoff and the end of its index range (its widest
+    cutoff), as the statements name them (:empty_cutoff, :empty_range, ...): a
+    statement selects any phase's rooms by these (the fragments <phase>_rooms)."""
+    return cutoffs(settings, as_of) | {
+        f"{p.param}_range": p.range_cutoff(settings, as_of, shortest) for p in PHASES.values()
+    }
 
 
 @dataclass
@@ -128,9 +144,7 @@ def candidates(
     return queries.batch_candidates(
         phase=phase.name,
         as_of=as_of,
-        cutoff=phase.cutoff(settings, as_of),
-        range_cutoff=phase.range_cutoff(settings, as_of, shortest),
-        require_empty=phase is EMPTY_ROOM,
+        bounds=bounds(settings, as_of, shortest),
         batch_size=settings.batch_size,
         excluded=excluded,
     )
@@ -155,9 +169,9 @@ def reap_batch(
     here, in the batch's transaction, when not given."""
     shortest = tenant_windows(queries) if shortest is None else shortest
     common = {
+        "phase": phase.name,
         "as_of": as_of,
-        "cutoff": phase.cutoff(settings, as_of),
-        "range_cutoff": phase.range_cutoff(settings, as_of, shortest),
+        "bounds": bounds(settings, as_of, shortest),
         "batch_size": settings.batch_size,
         "excluded": excluded,
         "only": only,
@@ -169,7 +183,6 @@ def reap_batch(
     else:
         rows = queries.end_active_batch(
             **common,
-            require_empty=phase is EMPTY_ROOM,
             end_reason=phase.end_reason,
             topic=settings.conference_ended_topic,
         )
