@@ -32,7 +32,7 @@ from reaper.events import (
     Resumed,
     process_bus,
 )
-from reaper.phases import ORDER
+from reaper.phases import ORDER, PHASES, STALE_LIVE
 
 
 def operator(settings: Settings) -> str:
@@ -173,9 +173,7 @@ class Controls:
 
 # The windows a tenant policy may set, by column, and the option that sets each.
 OPTIONS = {
-    "empty_room_grace": "--empty-room-grace",
-    "provision_timeout": "--provision-timeout",
-    "stale_live_timeout": "--stale-live-timeout",
+    phase.window_name: "--" + phase.window_name.replace("_", "-") for phase in PHASES.values()
 }
 # The table's own check (migration 0008) holds the same bound.
 MAX_WINDOW = timedelta(days=7)
@@ -192,9 +190,8 @@ def floors(settings: Settings) -> dict[str, timedelta]:
     only comes that often, so a shorter window closes nothing sooner and is a
     typo. The stale-live timeout: STALE_LIVE_FLOOR."""
     return {
-        "empty_room_grace": settings.polling_interval,
-        "provision_timeout": settings.polling_interval,
-        "stale_live_timeout": STALE_LIVE_FLOOR,
+        phase.window_name: STALE_LIVE_FLOOR if phase is STALE_LIVE else settings.polling_interval
+        for phase in PHASES.values()
     }
 
 

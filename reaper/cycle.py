@@ -53,6 +53,7 @@ from reaper.phases import (
     Phase,
     Shortest,
     candidates,
+    mass_closure,
     reap_batch,
     tenant_windows,
 )
@@ -239,7 +240,7 @@ class Reaper:
         ending more than the configured share of the Active conferences in one
         cycle is refused until an operator allows it for one run.
         """
-        share, floor = self.settings.mass_closure_share, self.settings.mass_closure_floor
+        settings = self.settings
         with transaction(self.engine, budgets.batch(self.settings)) as queries:
             queries.census_planner()
             eligible = queries.stale_live_eligible(
@@ -248,12 +249,12 @@ class Reaper:
                 excluded=run.excluded_now(),
             )
             # Counting every live room costs what the live rooms cost: only when it can matter.
-            active = queries.active_count() if eligible > floor else 0
-        if eligible <= floor or eligible <= share * active:
+            active = queries.active_count() if eligible > settings.mass_closure_floor else 0
+        if not mass_closure(eligible, active, settings):
             return False
         self.bus.emit(
-            MassClosure(run.run_id, phase.name, eligible, active, share, floor,
-                        allowed=self.allow_mass_closure)
+            MassClosure(run.run_id, phase.name, eligible, active, settings.mass_closure_share,
+                        settings.mass_closure_floor, allowed=self.allow_mass_closure)
         )  # fmt: skip
         return not self.allow_mass_closure
 

@@ -66,6 +66,7 @@ from reaper.events import (
     StopSignalsSent,
 )
 from reaper.logs import get_logger, log
+from reaper.phases import ORDER, PHASES
 
 logger = get_logger("metrics")
 
@@ -73,8 +74,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 RUN_RESULTS = ("completed", "skipped", "failed")
 # docs/design.md#metrics: closed conferences only. A run the mass-closure guard stopped
 # closed nothing: it has its own counter (mass_closure_blocked_total).
-ITEM_OUTCOMES = ("empty_timeout", "provision_failed", "stale_timeout")
-PHASE_NAMES = ("empty_room", "provision_timeout", "stale_live")
+ITEM_OUTCOMES = tuple(phase.outcome for phase in PHASES.values())
+PHASE_NAMES = ORDER
 
 # The names a dashboard or alert may use (the test of ops/ checks against it).
 EXPORTED = (

@@ -25,7 +25,7 @@ from reaper.db import transaction
 from reaper.errors import describe
 from reaper.events import GaugesMeasured
 from reaper.logs import get_logger, log
-from reaper.phases import ORDER, PHASES, Phase, bounds, cutoffs, tenant_windows
+from reaper.phases import ORDER, PHASES, Phase, bounds, cutoffs, mass_closure, tenant_windows
 from reaper.queries import Queries
 
 logger = get_logger("overview")
@@ -97,7 +97,7 @@ def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
             result = census(queries, settings, now)
             ahead = activity_ahead_count(queries, now)
             pending, oldest, parked = queries.outbox_pending_stats()
-            paused = tuple(row.phase for row in queries.active_pauses())
+            paused = tuple(row.phase for row in queries.active_pauses(ORDER))
             last_run = queries.last_run_completed()
     except SQLAlchemyError as exc:
         log(logger, "metrics.refresh_failed", level=30, error=describe(exc))
@@ -120,7 +120,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
         pid = queries.run_lock_holder()
         activity = queries.backend_activity(pid) if pid is not None else None
         runs = queries.last_runs()
-        pauses = queries.active_pauses()
+        pauses = queries.active_pauses(ORDER)
         tenant_policies = queries.tenant_policy_count()
     lock: dict[str, Any] = {"held": pid is not None, "holder_pid": pid}
     if activity is not None:
@@ -280,10 +280,11 @@ def plan(
         rows = queries.plan_candidates(
             as_of=as_of,
             per_phase=per_phase,
+            phases=ORDER,
             **bounds(settings, as_of, tenant_windows(queries)),
         )
         active = queries.active_count()
-        paused = {row.phase: row.reason for row in queries.active_pauses()}
+        paused = {row.phase: row.reason for row in queries.active_pauses(ORDER)}
         ahead_count = activity_ahead_count(queries, now)
         ahead = queries.activity_ahead(now, now + ACTIVITY_AHEAD_TOLERANCE, per_phase)
     phases: dict[str, dict[str, Any]] = {}
@@ -302,7 +303,7 @@ def plan(
     stale = phases["stale_live"]
     active_after = active - phases["empty_room"]["would_close"]
     share, floor = settings.mass_closure_share, settings.mass_closure_floor
-    if stale["would_close"] > floor and stale["would_close"] > share * active_after:
+    if mass_closure(stale["would_close"], active_after, settings):
         stale["blocked"] = (
             f"mass-closure guard: {stale['would_close']} of {active_after} active "
             f"(share {share}, floor {floor}); `reaper reap --once --allow-mass-closure` ends them"
@@ -385,7 +386,7 @@ def format_plan(data: dict[str, Any]) -> str:
 # -- reaper policy -----------------------------------------------------------
 
 
-WINDOWS = ("empty_room_grace", "provision_timeout", "stale_live_timeout")
+WINDOWS = tuple(phase.window_name for phase in PHASES.values())
 
 
 def _window_text(policy: Any, name: str, settings: Settings) -> str:

@@ -35,6 +35,12 @@ class Phase:
     # the prefix of its bounds in sql/queries.sql (:empty_cutoff, :empty_range)
     param: str = ""
 
+    @property
+    def writes_event(self) -> bool:
+        """A room it closes gets a conference-ended event in the outbox (the relay's
+        work): an Ended room does, a Failed one only a realtime signal."""
+        return self.status == "Ended"
+
     def window(self, settings: Settings) -> timedelta:
         """The default window; a tenant's policy replaces it for its conferences."""
         return getattr(settings, self.window_name)
@@ -70,6 +76,17 @@ STALE_LIVE = Phase(
 # the later ones; this order is the design's (docs/design.md#order-and-batches).
 PHASES: dict[str, Phase] = {p.name: p for p in (EMPTY_ROOM, PROVISION_TIMEOUT, STALE_LIVE)}
 ORDER: tuple[str, ...] = tuple(PHASES)
+
+
+def mass_closure(eligible: int, active: int, settings: Settings) -> bool:
+    """Ending ``eligible`` of ``active`` live rooms at once is a mass closure (the
+    guard of a guarded phase, docs/reliability.md#the-mass-closure-guard): more
+    than REAPER_MASS_CLOSURE_FLOOR rooms, and more than REAPER_MASS_CLOSURE_SHARE
+    of the live ones."""
+    return (
+        eligible > settings.mass_closure_floor
+        and eligible > settings.mass_closure_share * active
+    )
 
 
 def tenant_windows(queries: Queries) -> Shortest:

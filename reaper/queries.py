@@ -7,7 +7,7 @@ reads rows, so a reader finds every statement the reaper runs in one place.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
@@ -406,6 +406,7 @@ class Queries:
         provision_range: datetime,
         stale_range: datetime,
         per_phase: int,
+        phases: Sequence[str],
     ) -> list[Row]:
         return list(
             _run(
@@ -419,6 +420,7 @@ class Queries:
                 provision_range=provision_range,
                 stale_range=stale_range,
                 per_phase=per_phase,
+                phases=list(phases),
             )
         )
 
@@ -427,8 +429,9 @@ class Queries:
 
     # -- operator controls ------------------------------------------------------
 
-    def active_pauses(self) -> list[Row]:
-        return list(_run(self.conn, "active_pauses"))
+    def active_pauses(self, phases: Sequence[str]) -> list[Row]:
+        """``phases``: every phase, in the order to list them (phases.ORDER)."""
+        return list(_run(self.conn, "active_pauses", phases=list(phases)))
 
     def phase_pause(self, phase: str) -> str | None:
         """The reason the phase is paused now, or None."""

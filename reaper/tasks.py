@@ -53,16 +53,13 @@ def reap(self: Task, as_of: str | None = None, *, finish: str | None = None) -> 
     reaper = get_reaper()
     if finish is not None:
         result = reaper.finish(finish)
-        if result["empty_timeout_count"] + result["stale_timeout_count"] > 0:
+        closed = {phase: result[phase.count_key] for phase in PHASES.values()}
+        if any(count for phase, count in closed.items() if phase.writes_event):
             # The cycle wrote integration events: publish them now, not at
             # the next relay tick.
             relay_outbox.apply_async(expires=RELAY_EXPIRES)
-        closed = (
-            result["empty_timeout_count"]
-            + result["stale_timeout_count"]
-            + result["provision_failed_count"]
-        )
-        if closed > 0 and reaper.settings.recorder_url and not get_stop_pass().running():
+        stops_due = sum(closed.values()) > 0 and reaper.settings.recorder_url
+        if stops_due and not get_stop_pass().running():
             # Rooms it closed may have recordings running: their stop signals
             # are due now, not at the next beat tick. Not while a pass runs:
             # passes queued behind it would take the worker's slots from the

@@ -392,6 +392,7 @@ def test_census_statements_count_index_ranges_not_live_rooms(
         "now": T0,  # the seeded rooms' clock: none of them is ahead of it
         "ahead_of": T0 + timedelta(seconds=5),
         "limit": 100,
+        "phases": list(PHASES),
     }
     with seeded.connect() as conn:
         if statement == "plan_candidates":

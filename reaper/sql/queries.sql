@@ -863,10 +863,10 @@ FROM (SELECT count(*) AS n,
 
 -- name: plan_candidates
 -- reaper plan: the conferences of eligible_census (same predicates, same
--- phase assignment), oldest first, at most :per_phase per phase, each from its
--- phase's index range. tenant_window: the tenant's window that applies (NULL:
--- the default). anomaly: why the room will be closed without a duration
--- (end_active_batch's rules, docs/design.md#anomalies).
+-- phase assignment), in the phases' order (:phases), each phase's oldest first,
+-- at most :per_phase per phase, each from its phase's index range.
+-- tenant_window: the tenant's window that applies (NULL: the default).
+-- anomaly: why the room will be closed without a duration (no_duration).
 WITH candidates AS (
     (SELECT 'empty_room' AS phase, s.*
      FROM messenger.conference_sessions s
@@ -905,7 +905,7 @@ SELECT s.phase, s.id AS conference_id, s.chat_id, s.deal_id, s.tenant_id, s.stat
            -- include: no_duration
        END AS anomaly
 FROM candidates s
-ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], s.phase),
+ORDER BY array_position(CAST(:phases AS text[]), s.phase),
          CASE WHEN s.phase = 'provision_timeout' THEN s.created_at ELSE s.last_activity_at END,
          s.id;
 
@@ -922,7 +922,8 @@ WHERE a.pid = :pid;
 SELECT phase, reason, paused_at, paused_until, paused_by
 FROM messenger.reaper_pauses
 WHERE paused_until IS NULL OR paused_until > clock_timestamp()
-ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], phase);
+-- in the phases' order (:phases, phases.ORDER)
+ORDER BY array_position(CAST(:phases AS text[]), phase);
 
 -- name: phase_pause
 -- Read by a phase under the run's lock: is it paused now, and why.
