@@ -45,7 +45,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     from reaper.cycle import Reaper
-    from reaper.events import CycleFinished
+    from reaper.events import CycleCompleted
     from reaper.runs import AsOfRefused
 
     if not args.once:
@@ -77,8 +77,8 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
         return _database_failed(settings, exc)
     tracing.configure()  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else off
     reaper = Reaper(settings, stop_event=stop, allow_mass_closure=args.allow_mass_closure)
-    finished: list[CycleFinished] = []
-    reaper.bus.subscribe(CycleFinished, finished.append)
+    finished: list[CycleCompleted] = []
+    reaper.bus.subscribe(CycleCompleted, finished.append)
     try:
         result = reaper.run_cycle(as_of)
     except AsOfRefused as exc:
@@ -86,7 +86,7 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     finally:
         tracing.shutdown()  # flush
-        reaper.bus.unsubscribe(CycleFinished, finished.append)
+        reaper.bus.unsubscribe(CycleCompleted, finished.append)
     if settings.recorder_url:
         from reaper.recorder import StopPass
 

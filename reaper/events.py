@@ -81,7 +81,7 @@ process_bus = Bus()
 # -- a cycle -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CycleStarted:
     run_id: str
     as_of: datetime
@@ -90,18 +90,18 @@ class CycleStarted:
     clock_skew_seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CycleSkipped:
     """Another cycle owns the run: this one changed nothing."""
 
     run_id: str
-    as_of: datetime | None
+    as_of: datetime | None = None
     reason: str
     holder_pid: int | None = None
     owner_run_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CycleTakenOver:
     """The run's owner died or hung past its lease: this cycle took the run over."""
 
@@ -110,11 +110,11 @@ class CycleTakenOver:
     previous_lease_expired_at: datetime
 
 
-@dataclass(frozen=True, slots=True)
-class CycleFinished:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CycleCompleted:
     run_id: str
     result: dict[str, Any]  # the task's result (docs/design.md#tasks)
-    errors: int
+    errors: int = 0
     started_at: datetime
     finished_at: datetime
     blocked: tuple[str, ...] = ()
@@ -125,7 +125,7 @@ class CycleFinished:
 # -- a phase -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConferenceReaped:
     run_id: str
     phase: str
@@ -135,22 +135,23 @@ class ConferenceReaped:
     tenant_id: str | None
     status: str
     end_reason: str
-    duration_seconds: int | None
+    duration_seconds: int | None = None
     # ended_at minus the moment the room became eligible (the SLO's measure)
-    lateness_seconds: float | None
+    lateness_seconds: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ConferenceRejected:
-    """A poison row: left out of its batch (the rest committed) and for the cycle."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ItemFailed:
+    """A poison row (docs/design.md#names): the database refuses it, so it is left
+    out of its batch (the rest committed) and of the cycle."""
 
     run_id: str
     phase: str
     conference_id: str
-    reason: str
+    error: str  # what the database said
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConferenceAnomaly:
     """A room closed although its started_at could give no duration (it is null)."""
 
@@ -160,24 +161,27 @@ class ConferenceAnomaly:
     problem: str
 
 
-@dataclass(frozen=True, slots=True)
-class BatchCommitted:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchSelected:
+    """A batch committed: what it claimed, and what became of those rooms."""
+
     run_id: str
     phase: str
     outcome: str  # items_total label
-    claimed: int
-    reaped: tuple[ConferenceReaped, ...]
-    rejected: tuple[ConferenceRejected, ...]
-    locked: int  # rows a command held (SKIP LOCKED) as this batch saw them
+    claimed: int = 0
+    reaped: tuple[ConferenceReaped, ...] = ()
+    poison: tuple[ItemFailed, ...] = ()
+    # rows a command held (SKIP LOCKED) as this batch saw them
+    skipped_locked: int = 0
     # reaper.recorder.StopRequest: the running recordings of the reaped rooms, now
     # due to the stop task (the state is in the database; nothing here sends them)
-    stops: tuple[Any, ...]
+    stops: tuple[Any, ...] = ()
     started_ns: int  # wall clock, for spans
     ended_ns: int
 
 
-@dataclass(frozen=True, slots=True)
-class MassClosure:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseMassClosure:
     """stale_live would end too many live rooms at once (see cycle.Reaper)."""
 
     run_id: str
@@ -189,23 +193,23 @@ class MassClosure:
     allowed: bool  # the operator's one-run override
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseCompleted:
     run_id: str
     phase: str
-    batches: int
-    reaped: int
-    rejected: int
-    skipped_locked: int
-    drained: bool
-    started_ns: int
+    batches: int = 0
+    reaped: int = 0
+    poison: int = 0
+    skipped_locked: int = 0
+    drained: bool = False
+    started_ns: int  # wall clock, for spans
     ended_ns: int
     blocked: bool = False  # the mass-closure guard stopped it
     lost: bool = False  # the run was no longer this cycle's: nothing done
     paused: str | None = None  # an operator's pause left it alone: why
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseFailed:
     run_id: str
     phase: str
@@ -215,7 +219,7 @@ class PhaseFailed:
     reaped: int = 0  # batches committed before the failure
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LockLost:
     """The phase's lock session was gone at its release: the server or the network
     ended it (a frozen or partitioned owner, a hung one past REAPER_LOCK_TTL)."""
@@ -228,43 +232,43 @@ class LockLost:
 # -- after the commit ------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StopSignalsSent:
-    requested: int
-    taken: int
+    requested: int = 0
+    taken: int = 0
 
     @property
     def failed(self) -> int:
         return self.requested - self.taken
 
 
-@dataclass(frozen=True, slots=True)
-class StopPassCompleted:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecorderPassCompleted:
     """A stop-signal pass (reaper/recorder.py) ended: what it sent and what is left."""
 
-    requested: int  # signals sent
-    taken: int  # of which the recorder took
-    unsent: int  # claimed, not started before the pass's deadline: due again at once
-    retried: int  # signals sent that had been sent before
-    retried_taken: int
-    skipped: bool  # another pass was running
-    duration_ms: int
+    requested: int = 0  # signals sent
+    taken: int = 0  # of which the recorder took
+    unsent: int = 0  # claimed, not started before the pass's deadline: due again at once
+    retried: int = 0  # signals sent that had been sent before
+    retried_taken: int = 0
+    skipped: bool = False  # another pass was running
+    duration_ms: int = 0
 
     @property
     def failed(self) -> int:
         return self.requested - self.taken
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GaugesMeasured:
     """What the database says now: the census behind active_backlog, the rooms
     whose activity is ahead of the clock, the outbox, the last completed run."""
 
-    active_backlog: int
-    outbox_pending: int
-    outbox_oldest_pending_age_seconds: float
-    outbox_parked: int
-    paused: tuple[str, ...]  # the phases paused now
+    active_backlog: int = 0
+    outbox_pending: int = 0
+    outbox_oldest_pending_age_seconds: float = 0.0
+    outbox_parked: int = 0
+    paused: tuple[str, ...] = ()  # the phases paused now
     # when a run last completed, whichever replica ran it (None: never)
     last_run_completed_at: datetime | None = None
     # Active rooms whose last_activity_at is ahead of the database's clock: held
@@ -275,57 +279,57 @@ class GaugesMeasured:
 # -- the operator ---------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Paused:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPaused:
     phase: str
     reason: str
     paused_at: datetime
-    paused_until: datetime | None
+    paused_until: datetime | None = None
     paused_by: str
 
 
-@dataclass(frozen=True, slots=True)
-class Resumed:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlResumed:
     phase: str
     reason: str  # of the pause that ended
     resumed_by: str
 
 
-@dataclass(frozen=True, slots=True)
-class PolicySet:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPolicySet:
     """A tenant's windows as stored after ``reaper policy set`` (None: the default)."""
 
     tenant_id: str
-    empty_room_grace: timedelta | None
-    provision_timeout: timedelta | None
-    stale_live_timeout: timedelta | None
+    empty_room_grace: timedelta | None = None
+    provision_timeout: timedelta | None = None
+    stale_live_timeout: timedelta | None = None
     updated_at: datetime
     updated_by: str
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyUnset:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPolicyUnset:
     """A tenant's policy removed: its conferences get the defaults again."""
 
     tenant_id: str
     # the windows it had
-    empty_room_grace: timedelta | None
-    provision_timeout: timedelta | None
-    stale_live_timeout: timedelta | None
+    empty_room_grace: timedelta | None = None
+    provision_timeout: timedelta | None = None
+    stale_live_timeout: timedelta | None = None
     unset_by: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class OutboxRequeued:
-    count: int
-    event_id: str | None  # None: all parked rows
+    count: int = 0
+    event_id: str | None = None  # None: all parked rows
     requeued_by: str
 
 
 # -- the relay --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RelayBatchCommitted:
     claimed: int
     published: int
@@ -333,7 +337,7 @@ class RelayBatchCommitted:
     parked: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RelayPassCompleted:
     published: int
     failed: int  # will be tried again, after a back-off

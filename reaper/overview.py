@@ -104,7 +104,13 @@ def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
         return None
     completed_at = last_run.finished_at if last_run is not None else None
     return GaugesMeasured(
-        result.backlog, pending, oldest, parked, paused, completed_at, activity_ahead=ahead
+        active_backlog=result.backlog,
+        outbox_pending=pending,
+        outbox_oldest_pending_age_seconds=oldest,
+        outbox_parked=parked,
+        paused=paused,
+        last_run_completed_at=completed_at,
+        activity_ahead=ahead,
     )
 
 
@@ -398,7 +404,7 @@ def _window_text(policy: Any, name: str, settings: Settings) -> str:
 
 def format_policy(policy: Any, settings: Settings) -> str:
     """``TENANT: empty_room_grace 10m, provision_timeout default (2m), ...`` of a
-    policy, a PolicySet or a PolicyUnset."""
+    policy, a ControlPolicySet or a ControlPolicyUnset."""
     windows = ", ".join(f"{name} {_window_text(policy, name, settings)}" for name in WINDOWS)
     return f"{policy.tenant_id}: {windows}"
 

@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from reaper.cycle import Reaper
-from reaper.events import CycleFinished, PhaseFailed
+from reaper.events import CycleCompleted, PhaseFailed
 from tests.support import factory as f
 from tests.support.facts import FactRecorder
 from tests.support.processes import ROOT, run_cli
@@ -147,7 +147,7 @@ def test_a_phase_that_cannot_take_the_lock_fails_and_never_reports_skipped(
     assert result["stale_timeout_count"] == 1
     [failed] = [p for p in facts.of(PhaseFailed) if p.phase == "provision_timeout"]
     assert failed.error.startswith("RunLockBusy: the single-runner lock is held by another")
-    [end] = facts.of(CycleFinished)
+    [end] = facts.of(CycleCompleted)
     assert end.errors == 1
 
 
