@@ -151,6 +151,22 @@ def test_a_phase_that_cannot_take_the_lock_fails_and_never_reports_skipped(
     assert end.errors == 1
 
 
+@pytest.mark.parametrize("name", ["of_run", "cycle"])
+def test_a_chain_link_runs_the_phase_of_its_cycle(settings, engine, monkeypatch, name: str):
+    """reaper.reap_phase given a run id runs that cycle's phase, not a cycle of its
+    own: as ``of_run``, and as ``cycle``, the name older workers queue it with."""
+    from reaper import tasks
+
+    seed(engine)
+    owner = Reaper(settings, engine=engine)
+    monkeypatch.setattr(tasks, "get_reaper", lambda: owner)
+    cycle = owner.start()
+    phase = tasks.reap_phase("empty_room", **{name: cycle.run_id})
+    result = owner.finish(cycle.run_id)
+    assert phase["run_id"] == cycle.run_id and phase["empty_timeout_count"] == 1
+    assert result["empty_timeout_count"] == 1 and result["stale_timeout_count"] == 0
+
+
 @pytest.mark.process
 def test_a_dead_owner_is_taken_over_within_its_lease(settings, engine):
     """The owner took the run, ran a phase, and was killed between phases."""
