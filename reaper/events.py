@@ -2,11 +2,12 @@
 
 The engine (:mod:`reaper.cycle`, :mod:`reaper.relay`) says what happened, as
 plain frozen facts, once the database has committed it: a conference reaped, a
-batch committed, a phase completed, a cycle finished, a relay pass completed.
-Logs, Prometheus, OpenTelemetry and the database gauges are subscribers,
-connected in one place when a process sets itself up
-(:mod:`reaper.wiring`), the way Oban attaches telemetry handlers. The engine
-imports none of them; a test subscribes a recorder of facts.
+batch selected, a phase completed, a cycle completed, a relay pass completed.
+Each fact is named after the log event it becomes (``BatchSelected`` ->
+``batch.selected``), and its fields are keywords. Logs, Prometheus,
+OpenTelemetry and the database gauges are subscribers, connected in one place
+when a process sets itself up (:mod:`reaper.wiring`). The engine imports none
+of them; a test subscribes a recorder of facts.
 
 A subscriber runs in the thread that emits (for batches: the drain's teller
 thread, never a lane) and must be thread-safe. One that raises is logged

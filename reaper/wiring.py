@@ -22,8 +22,8 @@ from reaper.db import engine_of
 from reaper.events import Bus, CycleCompleted, process_bus
 
 _lock = threading.Lock()
-# The buses already wired. Weak, not by id(): a collected bus's id is reused by
-# a new one, which then was taken for wired and got no subscriber at all.
+# The buses already wired. Weak, not by id(): a collected bus's id can be reused
+# by a new one, which would then count as wired and get no subscriber at all.
 _installed: weakref.WeakSet[Bus] = weakref.WeakSet()
 
 

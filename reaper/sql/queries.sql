@@ -349,7 +349,7 @@ ended AS (
         active_participant_count = 0
     -- The claim locked each row and checked the phase's conditions on its latest
     -- version. The rows are reached by key from an array: joined to the CTE, the
-    -- planner (which cannot estimate a CTE) chose a hash join over every
+    -- planner (which cannot estimate a CTE) picks a hash join over every
     -- candidate, or a nested loop quadratic in the batch. tests/test_query_plans.py
     -- holds this.
     WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c
@@ -448,7 +448,7 @@ realtime AS (
 -- + its own window, as_of - own_cutoff: its tenant's, else the default) to this
 -- statement, which commits right after: a queue wait or a late phase shows in
 -- it (the SLO's measure).
--- ids as text: parsing them into uuid.UUID and back was a tenth of the Python per room
+-- ids as text: parsing them into uuid.UUID and back costs a tenth of the Python per room
 SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id,
        e.deal_id::text AS deal_id, e.duration_seconds,
        -- an anomaly: why there is no duration (conference.anomaly)
@@ -462,10 +462,10 @@ FROM ended e
 UNION ALL
 -- claimed, yet the status guard refused the transition
 SELECT 'poison', c.id::text, c.chat_id::text, c.deal_id::text, NULL,
-       'rejected by the status guard', c.tenant_id::text, NULL
+       'refused by the status guard', c.tenant_id::text, NULL
 -- the claimed copy (the locked row's latest version): no second visit to the table
 FROM claimed c
--- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
+-- NOT IN (CTE): a hashed subplan; NOT EXISTS becomes a nested loop, quadratic in the batch
 WHERE c.id NOT IN (SELECT e.id FROM ended e)
   AND c.id NOT IN (SELECT h.id FROM held h)
 UNION ALL
@@ -526,7 +526,7 @@ realtime AS (
            now()
     FROM failed f
 )
--- ids as text: parsing them into uuid.UUID and back was a tenth of the Python per room
+-- ids as text: parsing them into uuid.UUID and back costs a tenth of the Python per room
 SELECT 'reaped' AS kind, f.id::text AS conference_id, f.chat_id::text AS chat_id,
        f.deal_id::text AS deal_id, f.duration_seconds, NULL::text AS detail,
        f.tenant_id::text AS tenant_id,
@@ -537,9 +537,9 @@ SELECT 'reaped' AS kind, f.id::text AS conference_id, f.chat_id::text AS chat_id
        END AS lateness_seconds
 FROM failed f
 UNION ALL
-SELECT 'poison', c.id::text, NULL, NULL, NULL, 'rejected by the status guard', NULL, NULL
+SELECT 'poison', c.id::text, NULL, NULL, NULL, 'refused by the status guard', NULL, NULL
 FROM claimed c
--- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
+-- NOT IN (CTE): a hashed subplan; NOT EXISTS becomes a nested loop, quadratic in the batch
 WHERE c.id NOT IN (SELECT f.id FROM failed f)
   AND c.id NOT IN (SELECT h.id FROM held h)
 UNION ALL
@@ -819,10 +819,10 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-rea
 --   the widest cutoff is computed here, greatest(default cutoff, :as_of -
 --     (SELECT min(window) ...)): an InitPlan, unknown to the planner, which
 --     then estimates a third of the partial index and stays on it. Given as a
---     constant that covered most live rooms (a 1 h stale-live policy), the
---     planner chose a sequential scan of the whole table instead;
+--     constant that covers most live rooms (a 1 h stale-live policy), the
+--     planner picks a sequential scan of the whole table instead;
 --   the policies are joined (one hash of the small table) rather than probed
---     per row: a probe per row was ten times slower on a large backlog.
+--     per row: a probe per row is ten times slower on a large backlog.
 -- *_since: when the oldest one became eligible (its last_activity_at or
 -- created_at plus its own window).
 SELECT e.n AS empty_room, e.since AS empty_room_since,
