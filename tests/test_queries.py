@@ -73,3 +73,4 @@ def test_each_phase_statement_writes_each_phases_rooms_once() -> None:
         sql = load()[name].text
         assert sql.count("\nvisible AS (") == 1 and sql.count("\nclaimed AS (") == 1
         assert sql.count("CAST(:stale_range AS timestamptz)") == 2
+        assert sql.count("roster AS (") == 1 and sql.count("SELECT 'fenced'") == 1

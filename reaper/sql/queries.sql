@@ -331,10 +331,52 @@ CASE WHEN s.started_at IS NULL THEN 'started_at is missing'
          THEN 'started_at too far in the past (duration out of range)'
 END
 
+-- fragment: close_roster
+-- The closed rooms' open roster rows (those roster_claimed locked: this update
+-- waits on no one) leave at as_of. Both phase statements; closed: their
+-- transition's CTE.
+roster AS (
+    -- the rows roster_claimed locked: this update waits on no one
+    UPDATE messenger.conference_participants p
+    SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
+    WHERE p.id = ANY (ARRAY(SELECT r.id FROM roster_claimed r
+                            WHERE r.conference_id IN (SELECT x.id FROM closed x)))
+),
+
+-- fragment: batch_report
+-- The rest of a phase statement's result rows, after its 'reaped' rows (closed:
+-- its transition's CTE).
+UNION ALL
+-- claimed, yet the status guard refused the transition
+SELECT 'poison', c.id::text, c.chat_id::text, c.deal_id::text, NULL,
+       'refused by the status guard', c.tenant_id::text, NULL
+-- the claimed copy (the locked row's latest version): no second visit to the table
+FROM claimed c
+-- NOT IN (CTE): a hashed subplan; NOT EXISTS becomes a nested loop, quadratic in the batch
+WHERE c.id NOT IN (SELECT e.id FROM closed e)
+  AND c.id NOT IN (SELECT h.id FROM held h)
+UNION ALL
+-- claimed, but a command holds one of its open roster rows (skipped, not poison)
+SELECT 'held', h.id::text, NULL, NULL, NULL, NULL, NULL, NULL
+FROM held h
+UNION ALL
+SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
+FROM visible v
+-- Only a batch that comes back short looks for rows a command holds (the rows a
+-- phase leaves for the next cycle): while there is more to claim, the next batch
+-- meets them again. A one-time filter: a full batch never scans visible.
+WHERE (SELECT count(*) FROM claimed) < :batch_size
+  AND EXISTS (SELECT FROM fence)
+  AND v.id NOT IN (SELECT c.id FROM claimed c)
+UNION ALL
+-- fenced off: the batch changed nothing (runs.RunLost)
+SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT FROM fence)
+
 -- name: end_active_batch
 WITH
 -- include: claim
-ended AS (
+closed AS (
     UPDATE messenger.conference_sessions s
     SET status = 'Ended',
         end_reason = :end_reason,
@@ -365,13 +407,7 @@ ended AS (
                   -- include: stale_live_cutoff
               END AS own_cutoff
 ),
-roster AS (
-    -- the rows roster_claimed locked: this update waits on no one
-    UPDATE messenger.conference_participants p
-    SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
-    WHERE p.id = ANY (ARRAY(SELECT r.id FROM roster_claimed r
-                            WHERE r.conference_id IN (SELECT x.id FROM ended x)))
-),
+-- include: close_roster
 -- Each ended room's recordings, read once (one probe of ix_recordings_conference):
 -- the latest one names the event's recording, the running ones get a stop signal.
 -- Referenced twice, so computed once. The volatile id in this CTE's target list:
@@ -379,7 +415,7 @@ roster AS (
 -- for the whole batch).
 ended_recordings AS (
     SELECT e.*, gen_random_uuid() AS event_id, rec.latest_id, rec.running_ids
-    FROM ended e
+    FROM closed e
     LEFT JOIN LATERAL (
         SELECT (array_agg(r.id ORDER BY r.created_at DESC, r.id DESC))[1] AS latest_id,
                array_agg(r.id) FILTER (
@@ -442,7 +478,7 @@ realtime AS (
                'conferenceId', e.id, 'chatId', e.chat_id, 'status', e.status,
                'endReason', e.end_reason, 'signal', 'Ended'),
            now()
-    FROM ended e
+    FROM closed e
 )
 -- lateness_seconds: from the moment the room became eligible (last_activity_at
 -- + its own window, as_of - own_cutoff: its tenant's, else the default) to this
@@ -458,33 +494,8 @@ SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id
             THEN extract(epoch FROM clock_timestamp() - e.last_activity_at
                                     - (CAST(:as_of AS timestamptz) - e.own_cutoff))::float8
        END AS lateness_seconds
-FROM ended e
-UNION ALL
--- claimed, yet the status guard refused the transition
-SELECT 'poison', c.id::text, c.chat_id::text, c.deal_id::text, NULL,
-       'refused by the status guard', c.tenant_id::text, NULL
--- the claimed copy (the locked row's latest version): no second visit to the table
-FROM claimed c
--- NOT IN (CTE): a hashed subplan; NOT EXISTS becomes a nested loop, quadratic in the batch
-WHERE c.id NOT IN (SELECT e.id FROM ended e)
-  AND c.id NOT IN (SELECT h.id FROM held h)
-UNION ALL
--- claimed, but a command holds one of its open roster rows (skipped, not poison)
-SELECT 'held', h.id::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM held h
-UNION ALL
-SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM visible v
--- Only a batch that comes back short looks for rows a command holds (the rows a
--- phase leaves for the next cycle): while there is more to claim, the next batch
--- meets them again. A one-time filter: a full batch never scans visible.
-WHERE (SELECT count(*) FROM claimed) < :batch_size
-  AND EXISTS (SELECT FROM fence)
-  AND v.id NOT IN (SELECT c.id FROM claimed c)
-UNION ALL
--- fenced off: the batch changed nothing (runs.RunLost)
-SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
-WHERE NOT EXISTS (SELECT FROM fence)
+FROM closed e
+-- include: batch_report
 UNION ALL
 SELECT 'stop', e.id::text, NULL, NULL, NULL, running.id::text, NULL, NULL
 FROM ended_recordings e
@@ -493,7 +504,7 @@ CROSS JOIN LATERAL unnest(e.running_ids) AS running(id);
 -- name: fail_provisioning_batch
 WITH
 -- include: claim
-failed AS (
+closed AS (
     UPDATE messenger.conference_sessions s
     SET status = 'Failed',
         end_reason = 'Error',
@@ -509,13 +520,7 @@ failed AS (
               -- include: provision_timeout_cutoff
               AS own_cutoff
 ),
-roster AS (
-    -- the rows roster_claimed locked: this update waits on no one
-    UPDATE messenger.conference_participants p
-    SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
-    WHERE p.id = ANY (ARRAY(SELECT r.id FROM roster_claimed r
-                            WHERE r.conference_id IN (SELECT x.id FROM failed x)))
-),
+-- include: close_roster
 realtime AS (
     INSERT INTO messenger.realtime_outbox
         (kind, target_kind, chat_id, session_kind, conference_id, payload, created_at)
@@ -524,7 +529,7 @@ realtime AS (
                'conferenceId', f.id, 'chatId', f.chat_id, 'status', f.status,
                'endReason', f.end_reason, 'signal', 'Failed'),
            now()
-    FROM failed f
+    FROM closed f
 )
 -- ids as text: parsing them into uuid.UUID and back costs a tenth of the Python per room
 SELECT 'reaped' AS kind, f.id::text AS conference_id, f.chat_id::text AS chat_id,
@@ -535,33 +540,11 @@ SELECT 'reaped' AS kind, f.id::text AS conference_id, f.chat_id::text AS chat_id
             THEN extract(epoch FROM clock_timestamp() - f.created_at
                                     - (CAST(:as_of AS timestamptz) - f.own_cutoff))::float8
        END AS lateness_seconds
-FROM failed f
-UNION ALL
-SELECT 'poison', c.id::text, NULL, NULL, NULL, 'refused by the status guard', NULL, NULL
-FROM claimed c
--- NOT IN (CTE): a hashed subplan; NOT EXISTS becomes a nested loop, quadratic in the batch
-WHERE c.id NOT IN (SELECT f.id FROM failed f)
-  AND c.id NOT IN (SELECT h.id FROM held h)
-UNION ALL
--- claimed, but a command holds one of its open roster rows (skipped, not poison)
-SELECT 'held', h.id::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM held h
-UNION ALL
-SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM visible v
--- Only a batch that comes back short looks for rows a command holds (the rows a
--- phase leaves for the next cycle): while there is more to claim, the next batch
--- meets them again. A one-time filter: a full batch never scans visible.
-WHERE (SELECT count(*) FROM claimed) < :batch_size
-  AND EXISTS (SELECT FROM fence)
-  AND v.id NOT IN (SELECT c.id FROM claimed c)
-UNION ALL
--- fenced off: the batch changed nothing (runs.RunLost)
-SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
-WHERE NOT EXISTS (SELECT FROM fence)
+FROM closed f
+-- include: batch_report
 UNION ALL
 SELECT 'stop', f.id::text, NULL, NULL, NULL, r.id::text, NULL, NULL
-FROM failed f
+FROM closed f
 -- OFFSET 0 keeps it a per-room lookup on ix_recordings_conference: flattened
 -- into a join, the planner may scan every recording for each batch
 CROSS JOIN LATERAL (
