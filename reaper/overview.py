@@ -305,16 +305,21 @@ def plan(
             "truncated": p.eligible > per_phase,
             "conferences": [],
         }
-    # The mass-closure guard runs after empty_room has committed (cycle.py).
-    stale = phases["stale_live"]
-    active_after = active - phases["empty_room"]["would_close"]
+    # A guarded phase's mass-closure guard runs after the phases before it have
+    # committed (cycle.py): it counts the Active rooms they leave.
     share, floor = settings.mass_closure_share, settings.mass_closure_floor
-    if mass_closure(stale["would_close"], active_after, settings):
-        stale["blocked"] = (
-            f"mass-closure guard: {stale['would_close']} of {active_after} active "
-            f"(share {share}, floor {floor}); `reaper reap --once --allow-mass-closure` ends them"
-        )
-        stale["would_close"] = 0
+    active_left = active
+    for name in ORDER:
+        phase, entry = PHASES[name], phases[name]
+        if phase.guarded and mass_closure(entry["would_close"], active_left, settings):
+            entry["blocked"] = (
+                f"mass-closure guard: {entry['would_close']} of {active_left} active "
+                f"(share {share}, floor {floor}); `reaper reap --once --allow-mass-closure` "
+                "ends them"
+            )
+            entry["would_close"] = 0
+        if phase.ends_active:
+            active_left -= entry["would_close"]
     for row in rows:
         phase = PHASES[row.phase]
         window = row.tenant_window or phase.window(settings)

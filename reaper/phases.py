@@ -36,9 +36,10 @@ class Phase:
     param: str = ""
 
     @property
-    def writes_event(self) -> bool:
-        """A room it closes gets a conference-ended event in the outbox (the relay's
-        work): an Ended room does, a Failed one only a realtime signal."""
+    def ends_active(self) -> bool:
+        """It ends Active rooms (the live ones the mass-closure guard counts), each
+        with a conference-ended event in the outbox; provision_timeout fails
+        Provisioning rooms, with a realtime signal only."""
         return self.status == "Ended"
 
     def window(self, settings: Settings) -> timedelta:

@@ -54,7 +54,7 @@ def reap(self: Task, as_of: str | None = None, *, finish: str | None = None) -> 
     if finish is not None:
         result = reaper.finish(finish)
         closed = {phase: result[phase.count_key] for phase in PHASES.values()}
-        if any(count for phase, count in closed.items() if phase.writes_event):
+        if any(count for phase, count in closed.items() if phase.ends_active):
             # The cycle wrote integration events: publish them now, not at
             # the next relay tick.
             relay_outbox.apply_async(expires=RELAY_EXPIRES)
