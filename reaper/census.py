@@ -21,20 +21,10 @@ from reaper.db import transaction
 from reaper.errors import describe
 from reaper.events import GaugesMeasured
 from reaper.logs import get_logger, log
-from reaper.phases import ORDER, PHASES
+from reaper.phases import ORDER, PHASES, cutoffs
 from reaper.queries import Queries
 
 logger = get_logger("census")
-
-
-SHORT = {"empty_room": "empty", "provision_timeout": "provision", "stale_live": "stale"}
-
-
-def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
-    """Per phase the default cutoff."""
-    return {
-        f"{short}_cutoff": PHASES[name].cutoff(settings, as_of) for name, short in SHORT.items()
-    }
 
 
 @dataclass(frozen=True)
@@ -98,12 +88,18 @@ def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
             result = census(queries, settings, now)
             ahead = activity_ahead_count(queries, now)
             pending, oldest, parked = queries.outbox_pending_stats()
-            paused = tuple(row.phase for row in queries.active_pauses())
+            paused = tuple(row.phase for row in queries.active_pauses(ORDER))
             last_run = queries.last_run_completed()
     except SQLAlchemyError as exc:
         log(logger, "metrics.refresh_failed", level=30, error=describe(exc))
         return None
     completed_at = last_run.finished_at if last_run is not None else None
     return GaugesMeasured(
-        result.backlog, pending, oldest, parked, paused, completed_at, activity_ahead=ahead
+        active_backlog=result.backlog,
+        outbox_pending=pending,
+        outbox_oldest_pending_age_seconds=oldest,
+        outbox_parked=parked,
+        paused=paused,
+        last_run_completed_at=completed_at,
+        activity_ahead=ahead,
     )

@@ -45,7 +45,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     from reaper.cycle import Reaper
-    from reaper.events import CycleFinished
+    from reaper.events import CycleCompleted
     from reaper.runs import AsOfRefused
 
     if not args.once:
@@ -77,8 +77,8 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
         return _database_failed(settings, exc)
     tracing.configure()  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else off
     reaper = Reaper(settings, stop_event=stop, allow_mass_closure=args.allow_mass_closure)
-    finished: list[CycleFinished] = []
-    reaper.bus.subscribe(CycleFinished, finished.append)
+    finished: list[CycleCompleted] = []
+    reaper.bus.subscribe(CycleCompleted, finished.append)
     try:
         result = reaper.run_cycle(as_of)
     except AsOfRefused as exc:
@@ -86,7 +86,7 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     finally:
         tracing.shutdown()  # flush
-        reaper.bus.unsubscribe(CycleFinished, finished.append)
+        reaper.bus.unsubscribe(CycleCompleted, finished.append)
     if settings.recorder_url:
         from reaper.recorder import StopPass
 
@@ -431,7 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.set_defaults(handler=cmd_plan)
 
-    phases = ("empty_room", "provision_timeout", "stale_live")
+    from reaper.control import OPTIONS
+    from reaper.phases import ORDER, PHASES
+
+    phases = ORDER
     pause = sub.add_parser(
         "pause", help="stop a phase (all without --phase) changing anything, on every replica"
     )
@@ -455,15 +458,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="set a tenant's windows (merged into its policy: a window not given keeps its value)",
     )
     policy_set.add_argument("--tenant", required=True, metavar="UUID", help="the tenant id")
-    for option, name, what in (
-        ("--empty-room-grace", "empty_room_grace", "empty_room"),
-        ("--provision-timeout", "provision_timeout", "provision_timeout"),
-        ("--stale-live-timeout", "stale_live_timeout", "stale_live"),
-    ):
+    for phase in PHASES.values():
         policy_set.add_argument(
-            option, dest=name, metavar="DURATION",
-            help=f"the tenant's {what} window (90, PT10M; at most 7 days)",
-        )  # fmt: skip
+            OPTIONS[phase.window_name],
+            dest=phase.window_name,
+            metavar="DURATION",
+            help=f"the tenant's {phase.name} window (90, PT10M; at most 7 days)",
+        )
     policy_set.set_defaults(handler=cmd_policy_set)
     policy_unset = policy_sub.add_parser(
         "unset", help="remove a tenant's policy: its conferences get the defaults again"

@@ -25,14 +25,14 @@ from reaper.config import Settings
 from reaper.db import transaction
 from reaper.events import (
     Bus,
+    ControlPaused,
+    ControlPolicySet,
+    ControlPolicyUnset,
+    ControlResumed,
     OutboxRequeued,
-    Paused,
-    PolicySet,
-    PolicyUnset,
-    Resumed,
     process_bus,
 )
-from reaper.phases import ORDER
+from reaper.phases import ORDER, PHASES, STALE_LIVE
 
 
 def operator(settings: Settings) -> str:
@@ -53,7 +53,7 @@ class Controls:
 
     def pause(
         self, phases: list[str] | None, reason: str, for_: timedelta | None = None
-    ) -> list[Paused]:
+    ) -> list[ControlPaused]:
         """Pause these phases (all without a list), until resumed or for ``for_``."""
         if not reason.strip():
             raise ValueError("a pause needs a reason (--reason)")
@@ -65,17 +65,30 @@ class Controls:
                 )
                 for phase in _phases(phases)
             ]
-        facts = [Paused(r.phase, r.reason, r.paused_at, r.paused_until, r.paused_by) for r in rows]
+        facts = [
+            ControlPaused(
+                phase=r.phase,
+                reason=r.reason,
+                paused_at=r.paused_at,
+                paused_until=r.paused_until,
+                paused_by=r.paused_by,
+            )
+            for r in rows
+        ]
         for fact in facts:
             self.bus.emit(fact)
         return facts
 
-    def resume(self, phases: list[str] | None) -> list[Resumed]:
+    def resume(self, phases: list[str] | None) -> list[ControlResumed]:
         """End the pauses of these phases (all without a list); those in force."""
         by = operator(self.settings)
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             rows = queries.resume_phases(_phases(phases))
-        facts = [Resumed(r.phase, r.reason, by) for r in rows if r.in_force]
+        facts = [
+            ControlResumed(phase=r.phase, reason=r.reason, resumed_by=by)
+            for r in rows
+            if r.in_force
+        ]
         for fact in facts:
             self.bus.emit(fact)
         return facts
@@ -89,7 +102,7 @@ class Controls:
         empty_room_grace: timedelta | None = None,
         provision_timeout: timedelta | None = None,
         stale_live_timeout: timedelta | None = None,
-    ) -> PolicySet:
+    ) -> ControlPolicySet:
         """Merge the given windows into the tenant's policy (a window not given keeps
         its value). Refused (:class:`PolicyRefused`, nothing changed) unless each is
         positive and at most 7 days, and the tenant's effective empty-room grace stays
@@ -118,7 +131,7 @@ class Controls:
             # rolls the change back.
             policy = TenantPolicy.from_row(row)
             self._coherent(policy, given)
-        fact = PolicySet(**asdict(policy))  # the fact is the policy as stored
+        fact = ControlPolicySet(**asdict(policy))  # the fact is the policy as stored
         self.bus.emit(fact)
         return fact
 
@@ -142,19 +155,19 @@ class Controls:
             f"below its stale-live timeout ({which(policy.stale_live_timeout, stale)})",
         )
 
-    def unset_policy(self, tenant_id: str) -> PolicyUnset | None:
+    def unset_policy(self, tenant_id: str) -> ControlPolicyUnset | None:
         """Remove the tenant's policy; None when it had none."""
         tenant = tenant_uuid(tenant_id)
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             row = queries.unset_tenant_policy(tenant)
         if row is None:
             return None
-        fact = PolicyUnset(
-            row.tenant_id,
-            row.empty_room_grace,
-            row.provision_timeout,
-            row.stale_live_timeout,
-            operator(self.settings),
+        fact = ControlPolicyUnset(
+            tenant_id=row.tenant_id,
+            empty_room_grace=row.empty_room_grace,
+            provision_timeout=row.provision_timeout,
+            stale_live_timeout=row.stale_live_timeout,
+            unset_by=operator(self.settings),
         )
         self.bus.emit(fact)
         return fact
@@ -167,15 +180,15 @@ class Controls:
         """Parked outbox rows back to pending (one, or all with None); how many."""
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             count = queries.requeue_outbox(event_id)
-        self.bus.emit(OutboxRequeued(count, event_id, operator(self.settings)))
+        self.bus.emit(
+            OutboxRequeued(count=count, event_id=event_id, requeued_by=operator(self.settings))
+        )
         return count
 
 
 # The windows a tenant policy may set, by column, and the option that sets each.
 OPTIONS = {
-    "empty_room_grace": "--empty-room-grace",
-    "provision_timeout": "--provision-timeout",
-    "stale_live_timeout": "--stale-live-timeout",
+    phase.window_name: "--" + phase.window_name.replace("_", "-") for phase in PHASES.values()
 }
 # The table's own check (migration 0008) holds the same bound.
 MAX_WINDOW = timedelta(days=7)
@@ -192,9 +205,8 @@ def floors(settings: Settings) -> dict[str, timedelta]:
     only comes that often, so a shorter window closes nothing sooner and is a
     typo. The stale-live timeout: STALE_LIVE_FLOOR."""
     return {
-        "empty_room_grace": settings.polling_interval,
-        "provision_timeout": settings.polling_interval,
-        "stale_live_timeout": STALE_LIVE_FLOOR,
+        phase.window_name: STALE_LIVE_FLOOR if phase is STALE_LIVE else settings.polling_interval
+        for phase in PHASES.values()
     }
 
 

@@ -32,18 +32,18 @@ from reaper.db import Session, engine_of, session, transaction
 from reaper.drain import Drained, SkippedLocked, drain
 from reaper.errors import describe
 from reaper.events import (
-    BatchCommitted,
+    BatchSelected,
     Bus,
     ConferenceReaped,
-    ConferenceRejected,
-    CycleFinished,
+    CycleCompleted,
     CycleSkipped,
     CycleStarted,
     CycleTakenOver,
+    ItemFailed,
     LockLost,
-    MassClosure,
     PhaseCompleted,
     PhaseFailed,
+    PhaseMassClosure,
     process_bus,
 )
 from reaper.phases import (
@@ -53,6 +53,7 @@ from reaper.phases import (
     Phase,
     Shortest,
     candidates,
+    mass_closure,
     reap_batch,
     tenant_windows,
 )
@@ -120,10 +121,21 @@ class Reaper:
         except SQLAlchemyError as exc:
             return Cycle(run_id, None, failed=describe(exc))
         self.bus.emit(
-            CycleStarted(start.run_id, start.as_of, start.started_at, start.clock_skew_seconds)
+            CycleStarted(
+                run_id=start.run_id,
+                as_of=start.as_of,
+                started_at=start.started_at,
+                clock_skew_seconds=start.clock_skew_seconds,
+            )
         )
         if start.taken_over is not None and start.taken_over_lease is not None:
-            self.bus.emit(CycleTakenOver(start.run_id, start.taken_over, start.taken_over_lease))
+            self.bus.emit(
+                CycleTakenOver(
+                    run_id=start.run_id,
+                    previous_run_id=start.taken_over,
+                    previous_lease_expired_at=start.taken_over_lease,
+                )
+            )
         return Cycle(run_id, start)
 
     def end_unowned(self, cycle: Cycle) -> dict[str, Any]:
@@ -134,11 +146,22 @@ class Reaper:
             return self._failed(cycle.run_id, cycle.failed or "")
         self.bus.emit(
             CycleSkipped(
-                start.run_id, start.as_of, start.skipped or "", start.holder_pid, start.owner_run_id
+                run_id=start.run_id,
+                as_of=start.as_of,
+                reason=start.skipped or "",
+                holder_pid=start.holder_pid,
+                owner_run_id=start.owner_run_id,
             )
         )
         result = unowned_result(start.run_id, start.as_of, skipped=True)
-        self.bus.emit(CycleFinished(start.run_id, result, 0, start.started_at, start.started_at))
+        self.bus.emit(
+            CycleCompleted(
+                run_id=start.run_id,
+                result=result,
+                started_at=start.started_at,
+                finished_at=start.started_at,
+            )
+        )
         return result
 
     def finish(self, run_id: str) -> dict[str, Any]:
@@ -149,13 +172,13 @@ class Reaper:
             return self._failed(run_id, describe(exc))
         result = finished.result()
         self.bus.emit(
-            CycleFinished(
-                run_id,
-                result,
-                finished.errors,
-                finished.started_at,
-                finished.finished_at or finished.started_at,
-                tuple(finished.blocked),
+            CycleCompleted(
+                run_id=run_id,
+                result=result,
+                errors=finished.errors,
+                started_at=finished.started_at,
+                finished_at=finished.finished_at or finished.started_at,
+                blocked=tuple(finished.blocked),
                 lost=finished.lost,
             )
         )
@@ -165,7 +188,11 @@ class Reaper:
         """A cycle the database failed at its head or its end: reported, counted."""
         now = utcnow()
         result = unowned_result(run_id, now, skipped=False)
-        self.bus.emit(CycleFinished(run_id, result, 1, now, now, error=error))
+        self.bus.emit(
+            CycleCompleted(
+                run_id=run_id, result=result, errors=1, started_at=now, finished_at=now, error=error
+            )
+        )
         return result
 
     # -- one phase -----------------------------------------------------------
@@ -185,13 +212,26 @@ class Reaper:
         except Exception as exc:  # the database is gone, or the lock is held elsewhere
             self.runs.count_error(run_id)
             error = describe(exc)
-            self.bus.emit(PhaseFailed(run_id, phase.name, error, started_ns, time.time_ns()))
+            self.bus.emit(
+                PhaseFailed(
+                    run_id=run_id,
+                    phase=phase.name,
+                    error=error,
+                    started_ns=started_ns,
+                    ended_ns=time.time_ns(),
+                )
+            )
             return phase_result(run_id, None, {}, {})
         if claim is None:  # taken over (or ended): this cycle no longer owns the run
             self.bus.emit(
-                PhaseCompleted(run_id, phase.name, 0, 0, 0, 0, False, started_ns, time.time_ns(),
-                               lost=True)
-            )  # fmt: skip
+                PhaseCompleted(
+                    run_id=run_id,
+                    phase=phase.name,
+                    started_ns=started_ns,
+                    ended_ns=time.time_ns(),
+                    lost=True,
+                )
+            )
             return phase_result(run_id, None, {}, {})
         run = claim.run
         before = dict(run.counts)
@@ -200,24 +240,31 @@ class Reaper:
             if claim.paused is not None:  # an operator's pause: change nothing
                 run.paused.append(phase.name)
                 fact = PhaseCompleted(
-                    run_id, phase.name, 0, 0, 0, 0, False, started_ns, time.time_ns(),
+                    run_id=run_id,
+                    phase=phase.name,
+                    started_ns=started_ns,
+                    ended_ns=time.time_ns(),
                     paused=claim.paused,
-                )  # fmt: skip
+                )
             elif phase.guarded and self._mass_closure_blocked(phase, run):
                 run.blocked.append(phase.name)
                 fact = PhaseCompleted(
-                    run_id, phase.name, 0, 0, 0, 0, False, started_ns, time.time_ns(), blocked=True
+                    run_id=run_id,
+                    phase=phase.name,
+                    started_ns=started_ns,
+                    ended_ns=time.time_ns(),
+                    blocked=True,
                 )
             else:
                 fact = self._drain(phase, run, started_ns)
         except Exception as exc:
             run.errors += 1
             fact = PhaseFailed(
-                run_id,
-                phase.name,
-                describe(exc),
-                started_ns,
-                time.time_ns(),
+                run_id=run_id,
+                phase=phase.name,
+                error=describe(exc),
+                started_ns=started_ns,
+                ended_ns=time.time_ns(),
                 reaped=run.counts[phase.count_key] - before[phase.count_key],
             )
         except BaseException:  # a soft time limit: free the lock now, not a lease later
@@ -225,7 +272,7 @@ class Reaper:
             raise
         lost = claim.release()
         if lost is not None:
-            self.bus.emit(LockLost(run_id, phase.name, lost))
+            self.bus.emit(LockLost(run_id=run_id, phase=phase.name, error=lost))
         self.bus.emit(fact)
         return phase_result(
             run_id, run, before, run.counts, [phase.name] if claim.paused is not None else []
@@ -239,7 +286,7 @@ class Reaper:
         ending more than the configured share of the Active conferences in one
         cycle is refused until an operator allows it for one run.
         """
-        share, floor = self.settings.mass_closure_share, self.settings.mass_closure_floor
+        settings = self.settings
         with transaction(self.engine, budgets.batch(self.settings)) as queries:
             queries.census_planner()
             eligible = queries.stale_live_eligible(
@@ -248,13 +295,20 @@ class Reaper:
                 excluded=run.excluded_now(),
             )
             # Counting every live room costs what the live rooms cost: only when it can matter.
-            active = queries.active_count() if eligible > floor else 0
-        if eligible <= floor or eligible <= share * active:
+            active = queries.active_count() if eligible > settings.mass_closure_floor else 0
+        if not mass_closure(eligible, active, settings):
             return False
         self.bus.emit(
-            MassClosure(run.run_id, phase.name, eligible, active, share, floor,
-                        allowed=self.allow_mass_closure)
-        )  # fmt: skip
+            PhaseMassClosure(
+                run_id=run.run_id,
+                phase=phase.name,
+                eligible=eligible,
+                active=active,
+                share=settings.mass_closure_share,
+                floor=settings.mass_closure_floor,
+                allowed=self.allow_mass_closure,
+            )
+        )
         return not self.allow_mass_closure
 
     def _drain(self, phase: Phase, run: Run, started_ns: int) -> PhaseCompleted:
@@ -280,15 +334,15 @@ class Reaper:
         skipped_locked = len(batches.locked)
         run.counts["skipped_locked_count"] += skipped_locked
         return PhaseCompleted(
-            run.run_id,
-            phase.name,
-            drained.batches,
-            batches.reaped,
-            batches.rejected,
-            skipped_locked,
-            drained.drained,
-            started_ns,
-            time.time_ns(),
+            run_id=run.run_id,
+            phase=phase.name,
+            batches=drained.batches,
+            reaped=batches.reaped,
+            poison=batches.poison,
+            skipped_locked=skipped_locked,
+            drained=drained.drained,
+            started_ns=started_ns,
+            ended_ns=time.time_ns(),
         )
 
 
@@ -319,7 +373,7 @@ class PhaseBatches:
         self._held: set[str] = set()
         self._held_lock = threading.Lock()
         self.reaped = 0  # counted by report() alone (one thread)
-        self.rejected = 0
+        self.poison = 0
 
     def batch(self, lane: Session) -> Done:
         """The next batch; a batch the database refuses is retried in parts."""
@@ -327,7 +381,7 @@ class PhaseBatches:
         try:
             outcome = self._batch(lane)
         except DBAPIError as exc:
-            if not refused_by_database(exc):
+            if not is_poison_error(exc):
                 raise
             with lane.transaction() as queries:
                 ids = candidates(
@@ -337,7 +391,7 @@ class PhaseBatches:
             outcome = self._isolate(lane, ids, exc)
             outcome.candidates = len(ids)
         self.locked.add(
-            [r.conference_id for r in outcome.reaped] + [r.conference_id for r in outcome.rejected],
+            [r.conference_id for r in outcome.reaped] + [r.conference_id for r in outcome.poison],
             outcome.locked + outcome.held,
         )
         return Done(outcome, began, time.time_ns())
@@ -352,25 +406,25 @@ class PhaseBatches:
         """Count a committed batch and tell it (the teller thread only)."""
         outcome, run, phase = done.outcome, self.run, self.phase
         self.reaped += len(outcome.reaped)
-        self.rejected += len(outcome.rejected)
+        self.poison += len(outcome.poison)
         run.counts[phase.count_key] += len(outcome.reaped)
-        run.counts["failed_count"] += len(outcome.rejected)
+        run.counts["failed_count"] += len(outcome.poison)  # the result's name for poison rows
         self.bus.emit(
-            BatchCommitted(
-                run.run_id,
-                phase.name,
-                phase.outcome,
-                len(outcome.reaped) + len(outcome.rejected),
-                tuple(outcome.reaped),
-                tuple(outcome.rejected),
-                len(outcome.locked) + len(outcome.held),
-                tuple(outcome.stops),
-                done.began_ns,
-                done.ended_ns,
+            BatchSelected(
+                run_id=run.run_id,
+                phase=phase.name,
+                outcome=phase.outcome,
+                claimed=len(outcome.reaped) + len(outcome.poison),
+                reaped=tuple(outcome.reaped),
+                poison=tuple(outcome.poison),
+                skipped_locked=len(outcome.locked) + len(outcome.held),
+                stops=tuple(outcome.stops),
+                started_ns=done.began_ns,
+                ended_ns=done.ended_ns,
             )
         )
         self.bus.emit_each(outcome.reaped, ConferenceReaped)
-        self.bus.emit_each(outcome.rejected, ConferenceRejected)
+        self.bus.emit_each(outcome.poison, ItemFailed)
         for anomaly in outcome.anomalies:
             self.bus.emit(anomaly)
 
@@ -397,11 +451,11 @@ class PhaseBatches:
             # Before the commit: a lane whose batch starts after it leaves them out.
             with self._held_lock:
                 self._held.update(outcome.held)
-            fresh = set(run.exclude([r.conference_id for r in outcome.rejected]))
-            outcome.rejected = [r for r in outcome.rejected if r.conference_id in fresh]
+            fresh = set(run.exclude([r.conference_id for r in outcome.poison]))
+            outcome.poison = [r for r in outcome.poison if r.conference_id in fresh]
         return outcome
 
-    def _isolate(self, lane: Session, ids: list[str], refused: DBAPIError) -> BatchOutcome:
+    def _isolate(self, lane: Session, ids: list[str], error: DBAPIError) -> BatchOutcome:
         """The database refused a batch: the same batch in halves, each its own
         transaction, until the row it refuses is alone. That row is poison (left
         out for the cycle, counted, logged); every other row commits."""
@@ -410,23 +464,26 @@ class PhaseBatches:
         if len(ids) == 1:
             if not self.run.exclude(ids):  # another lane isolated it first
                 return BatchOutcome()
-            rejected = ConferenceRejected(
-                self.run.run_id, self.phase.name, ids[0], describe(refused)
+            poison = ItemFailed(
+                run_id=self.run.run_id,
+                phase=self.phase.name,
+                conference_id=ids[0],
+                error=describe(error),
             )
-            return BatchOutcome(rejected=[rejected])
+            return BatchOutcome(poison=[poison])
         outcome = BatchOutcome()
         for half in (ids[: len(ids) // 2], ids[len(ids) // 2 :]):
             try:
                 part = self._batch(lane, only=half)
             except DBAPIError as exc:
-                if not refused_by_database(exc):
+                if not is_poison_error(exc):
                     raise
                 part = self._isolate(lane, half, exc)
             outcome = outcome.merge(part)
         return outcome
 
 
-def refused_by_database(exc: DBAPIError) -> bool:
+def is_poison_error(exc: DBAPIError) -> bool:
     """PostgreSQL refused the data of some row (a data exception, a constraint, a
     trigger raising), not the statement or the connection."""
     code = getattr(exc.orig, "pgcode", None) or ""

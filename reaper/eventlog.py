@@ -13,26 +13,26 @@ from datetime import timedelta
 
 from reaper.clock import rfc3339, rfc3339_or_none
 from reaper.events import (
-    BatchCommitted,
+    BatchSelected,
     Bus,
     ConferenceAnomaly,
     ConferenceReaped,
-    ConferenceRejected,
-    CycleFinished,
+    ControlPaused,
+    ControlPolicySet,
+    ControlPolicyUnset,
+    ControlResumed,
+    CycleCompleted,
     CycleSkipped,
     CycleStarted,
     CycleTakenOver,
+    ItemFailed,
     LockLost,
-    MassClosure,
     OutboxRequeued,
-    Paused,
     PhaseCompleted,
     PhaseFailed,
-    PolicySet,
-    PolicyUnset,
+    PhaseMassClosure,
+    RecorderPassCompleted,
     RelayPassCompleted,
-    Resumed,
-    StopPassCompleted,
 )
 from reaper.logs import get_logger, log
 
@@ -54,22 +54,22 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(CycleStarted, cycle_started)
     bus.subscribe(CycleSkipped, cycle_skipped)
     bus.subscribe(CycleTakenOver, cycle_taken_over)
-    bus.subscribe(CycleFinished, cycle_finished)
-    bus.subscribe(BatchCommitted, batch_committed)
+    bus.subscribe(CycleCompleted, cycle_completed)
+    bus.subscribe(BatchSelected, batch_selected)
     bus.subscribe(ConferenceReaped, conference_reaped)
-    bus.subscribe(ConferenceRejected, conference_rejected)
+    bus.subscribe(ItemFailed, item_failed)
     bus.subscribe(ConferenceAnomaly, conference_anomaly)
-    bus.subscribe(MassClosure, mass_closure)
+    bus.subscribe(PhaseMassClosure, phase_mass_closure)
     bus.subscribe(PhaseCompleted, phase_completed)
     bus.subscribe(PhaseFailed, phase_failed)
     bus.subscribe(LockLost, lock_lost)
     bus.subscribe(RelayPassCompleted, relay_pass)
-    bus.subscribe(Paused, paused)
-    bus.subscribe(Resumed, resumed)
+    bus.subscribe(ControlPaused, paused)
+    bus.subscribe(ControlResumed, resumed)
     bus.subscribe(OutboxRequeued, outbox_requeued)
-    bus.subscribe(PolicySet, policy_set)
-    bus.subscribe(PolicyUnset, policy_unset)
-    bus.subscribe(StopPassCompleted, stop_pass)
+    bus.subscribe(ControlPolicySet, policy_set)
+    bus.subscribe(ControlPolicyUnset, policy_unset)
+    bus.subscribe(RecorderPassCompleted, recorder_pass_completed)
 
 
 def cycle_started(fact: CycleStarted) -> None:
@@ -109,7 +109,7 @@ def cycle_taken_over(fact: CycleTakenOver) -> None:
     )
 
 
-def cycle_finished(fact: CycleFinished) -> None:
+def cycle_completed(fact: CycleCompleted) -> None:
     fields = {**fact.result, "errors": fact.errors}
     if fact.lost:
         fields["lost"] = True
@@ -119,7 +119,7 @@ def cycle_finished(fact: CycleFinished) -> None:
     log(logger, "cycle.completed", level=level, **fields)
 
 
-def batch_committed(fact: BatchCommitted) -> None:
+def batch_selected(fact: BatchSelected) -> None:
     log(
         logger,
         "batch.selected",
@@ -127,8 +127,8 @@ def batch_committed(fact: BatchCommitted) -> None:
         phase=fact.phase,
         count=fact.claimed,
         reaped=len(fact.reaped),
-        failed=len(fact.rejected),
-        skipped_locked=fact.locked,
+        failed=len(fact.poison),
+        skipped_locked=fact.skipped_locked,
     )
 
 
@@ -147,7 +147,7 @@ def conference_reaped(fact: ConferenceReaped) -> None:
     )
 
 
-def conference_rejected(fact: ConferenceRejected) -> None:
+def item_failed(fact: ItemFailed) -> None:
     log(
         logger,
         "item.failed",
@@ -155,7 +155,7 @@ def conference_rejected(fact: ConferenceRejected) -> None:
         run_id=fact.run_id,
         phase=fact.phase,
         conference_id=fact.conference_id,
-        error=fact.reason,
+        error=fact.error,
     )
 
 
@@ -172,7 +172,7 @@ def conference_anomaly(fact: ConferenceAnomaly) -> None:
     )
 
 
-def mass_closure(fact: MassClosure) -> None:
+def phase_mass_closure(fact: PhaseMassClosure) -> None:
     fields = {
         "run_id": fact.run_id,
         "phase": fact.phase,
@@ -256,7 +256,7 @@ def relay_pass(fact: RelayPassCompleted) -> None:
 control_logger = get_logger("control")
 
 
-def paused(fact: Paused) -> None:
+def paused(fact: ControlPaused) -> None:
     log(
         control_logger,
         "control.paused",
@@ -269,7 +269,7 @@ def paused(fact: Paused) -> None:
     )
 
 
-def resumed(fact: Resumed) -> None:
+def resumed(fact: ControlResumed) -> None:
     log(
         control_logger,
         "control.resumed",
@@ -295,7 +295,7 @@ def _seconds(window: timedelta | None) -> float | None:
     return None if window is None else window.total_seconds()
 
 
-def policy_set(fact: PolicySet) -> None:
+def policy_set(fact: ControlPolicySet) -> None:
     log(
         control_logger,
         "control.policy_set",
@@ -309,7 +309,7 @@ def policy_set(fact: PolicySet) -> None:
     )
 
 
-def policy_unset(fact: PolicyUnset) -> None:
+def policy_unset(fact: ControlPolicyUnset) -> None:
     log(
         control_logger,
         "control.policy_unset",
@@ -322,7 +322,7 @@ def policy_unset(fact: PolicyUnset) -> None:
     )
 
 
-def stop_pass(fact: StopPassCompleted) -> None:
+def recorder_pass_completed(fact: RecorderPassCompleted) -> None:
     if fact.skipped:
         log(recorder_logger, "recorder.pass_skipped", reason="another stop pass is running")
         return

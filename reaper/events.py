@@ -2,11 +2,12 @@
 
 The engine (:mod:`reaper.cycle`, :mod:`reaper.relay`) says what happened, as
 plain frozen facts, once the database has committed it: a conference reaped, a
-batch committed, a phase completed, a cycle finished, a relay pass completed.
-Logs, Prometheus, OpenTelemetry and the database gauges are subscribers,
-connected in one place when a process sets itself up
-(:mod:`reaper.wiring`), the way Oban attaches telemetry handlers. The engine
-imports none of them; a test subscribes a recorder of facts.
+batch selected, a phase completed, a cycle completed, a relay pass completed.
+Each fact is named after the log event it becomes (``BatchSelected`` ->
+``batch.selected``), and its fields are keywords. Logs, Prometheus,
+OpenTelemetry and the database gauges are subscribers, connected in one place
+when a process sets itself up (:mod:`reaper.wiring`). The engine imports none
+of them; a test subscribes a recorder of facts.
 
 A subscriber runs in the thread that emits (for batches: the drain's teller
 thread, never a lane) and must be thread-safe. One that raises is logged
@@ -81,7 +82,7 @@ process_bus = Bus()
 # -- a cycle -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CycleStarted:
     run_id: str
     as_of: datetime
@@ -90,18 +91,18 @@ class CycleStarted:
     clock_skew_seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CycleSkipped:
     """Another cycle owns the run: this one changed nothing."""
 
     run_id: str
-    as_of: datetime | None
+    as_of: datetime | None = None
     reason: str
     holder_pid: int | None = None
     owner_run_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CycleTakenOver:
     """The run's owner died or hung past its lease: this cycle took the run over."""
 
@@ -110,11 +111,11 @@ class CycleTakenOver:
     previous_lease_expired_at: datetime
 
 
-@dataclass(frozen=True, slots=True)
-class CycleFinished:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CycleCompleted:
     run_id: str
     result: dict[str, Any]  # the task's result (docs/design.md#tasks)
-    errors: int
+    errors: int = 0
     started_at: datetime
     finished_at: datetime
     blocked: tuple[str, ...] = ()
@@ -125,7 +126,7 @@ class CycleFinished:
 # -- a phase -------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConferenceReaped:
     run_id: str
     phase: str
@@ -135,22 +136,23 @@ class ConferenceReaped:
     tenant_id: str | None
     status: str
     end_reason: str
-    duration_seconds: int | None
+    duration_seconds: int | None = None
     # ended_at minus the moment the room became eligible (the SLO's measure)
-    lateness_seconds: float | None
+    lateness_seconds: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ConferenceRejected:
-    """A poison row: left out of its batch (the rest committed) and for the cycle."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ItemFailed:
+    """A poison row (docs/design.md#names): the database refuses it, so it is left
+    out of its batch (the rest committed) and of the cycle."""
 
     run_id: str
     phase: str
     conference_id: str
-    reason: str
+    error: str  # what the database said
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConferenceAnomaly:
     """A room closed although its started_at could give no duration (it is null)."""
 
@@ -171,24 +173,27 @@ class StopRequest:
     attempts: int = 0  # signals sent before that the recorder did not take
 
 
-@dataclass(frozen=True, slots=True)
-class BatchCommitted:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchSelected:
+    """A batch committed: what it claimed, and what became of those rooms."""
+
     run_id: str
     phase: str
     outcome: str  # items_total label
-    claimed: int
-    reaped: tuple[ConferenceReaped, ...]
-    rejected: tuple[ConferenceRejected, ...]
-    locked: int  # rows a command held (SKIP LOCKED) as this batch saw them
+    claimed: int = 0
+    reaped: tuple[ConferenceReaped, ...] = ()
+    poison: tuple[ItemFailed, ...] = ()
+    # rows a command held (SKIP LOCKED) as this batch saw them
+    skipped_locked: int = 0
     # the running recordings of the reaped rooms, now due to the stop task (the
     # state is in the database; nothing here sends them)
-    stops: tuple[StopRequest, ...]
+    stops: tuple[StopRequest, ...] = ()
     started_ns: int  # wall clock, for spans
     ended_ns: int
 
 
-@dataclass(frozen=True, slots=True)
-class MassClosure:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseMassClosure:
     """stale_live would end too many live rooms at once (see cycle.Reaper)."""
 
     run_id: str
@@ -200,23 +205,23 @@ class MassClosure:
     allowed: bool  # the operator's one-run override
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseCompleted:
     run_id: str
     phase: str
-    batches: int
-    reaped: int
-    rejected: int
-    skipped_locked: int
-    drained: bool
-    started_ns: int
+    batches: int = 0
+    reaped: int = 0
+    poison: int = 0
+    skipped_locked: int = 0
+    drained: bool = False
+    started_ns: int  # wall clock, for spans
     ended_ns: int
     blocked: bool = False  # the mass-closure guard stopped it
     lost: bool = False  # the run was no longer this cycle's: nothing done
     paused: str | None = None  # an operator's pause left it alone: why
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseFailed:
     run_id: str
     phase: str
@@ -226,7 +231,7 @@ class PhaseFailed:
     reaped: int = 0  # batches committed before the failure
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LockLost:
     """The phase's lock session was gone at its release: the server or the network
     ended it (a frozen or partitioned owner, a hung one past REAPER_LOCK_TTL)."""
@@ -239,43 +244,43 @@ class LockLost:
 # -- after the commit ------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StopSignalsSent:
-    requested: int
-    taken: int
+    requested: int = 0
+    taken: int = 0
 
     @property
     def failed(self) -> int:
         return self.requested - self.taken
 
 
-@dataclass(frozen=True, slots=True)
-class StopPassCompleted:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecorderPassCompleted:
     """A stop-signal pass (reaper/recorder.py) ended: what it sent and what is left."""
 
-    requested: int  # signals sent
-    taken: int  # of which the recorder took
-    unsent: int  # claimed, not started before the pass's deadline: due again at once
-    retried: int  # signals sent that had been sent before
-    retried_taken: int
-    skipped: bool  # another pass was running
-    duration_ms: int
+    requested: int = 0  # signals sent
+    taken: int = 0  # of which the recorder took
+    unsent: int = 0  # claimed, not started before the pass's deadline: due again at once
+    retried: int = 0  # signals sent that had been sent before
+    retried_taken: int = 0
+    skipped: bool = False  # another pass was running
+    duration_ms: int = 0
 
     @property
     def failed(self) -> int:
         return self.requested - self.taken
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GaugesMeasured:
     """What the database says now: the census behind active_backlog, the rooms
     whose activity is ahead of the clock, the outbox, the last completed run."""
 
-    active_backlog: int
-    outbox_pending: int
-    outbox_oldest_pending_age_seconds: float
-    outbox_parked: int
-    paused: tuple[str, ...]  # the phases paused now
+    active_backlog: int = 0
+    outbox_pending: int = 0
+    outbox_oldest_pending_age_seconds: float = 0.0
+    outbox_parked: int = 0
+    paused: tuple[str, ...] = ()  # the phases paused now
     # when a run last completed, whichever replica ran it (None: never)
     last_run_completed_at: datetime | None = None
     # Active rooms whose last_activity_at is ahead of the database's clock: held
@@ -286,57 +291,57 @@ class GaugesMeasured:
 # -- the operator ---------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Paused:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPaused:
     phase: str
     reason: str
     paused_at: datetime
-    paused_until: datetime | None
+    paused_until: datetime | None = None
     paused_by: str
 
 
-@dataclass(frozen=True, slots=True)
-class Resumed:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlResumed:
     phase: str
     reason: str  # of the pause that ended
     resumed_by: str
 
 
-@dataclass(frozen=True, slots=True)
-class PolicySet:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPolicySet:
     """A tenant's windows as stored after ``reaper policy set`` (None: the default)."""
 
     tenant_id: str
-    empty_room_grace: timedelta | None
-    provision_timeout: timedelta | None
-    stale_live_timeout: timedelta | None
+    empty_room_grace: timedelta | None = None
+    provision_timeout: timedelta | None = None
+    stale_live_timeout: timedelta | None = None
     updated_at: datetime
     updated_by: str
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyUnset:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlPolicyUnset:
     """A tenant's policy removed: its conferences get the defaults again."""
 
     tenant_id: str
     # the windows it had
-    empty_room_grace: timedelta | None
-    provision_timeout: timedelta | None
-    stale_live_timeout: timedelta | None
+    empty_room_grace: timedelta | None = None
+    provision_timeout: timedelta | None = None
+    stale_live_timeout: timedelta | None = None
     unset_by: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class OutboxRequeued:
-    count: int
-    event_id: str | None  # None: all parked rows
+    count: int = 0
+    event_id: str | None = None  # None: all parked rows
     requeued_by: str
 
 
 # -- the relay --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RelayBatchCommitted:
     claimed: int
     published: int
@@ -344,7 +349,7 @@ class RelayBatchCommitted:
     parked: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RelayPassCompleted:
     published: int
     failed: int  # will be tried again, after a back-off

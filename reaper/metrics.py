@@ -52,20 +52,21 @@ from prometheus_client import (
 )
 
 from reaper.events import (
-    BatchCommitted,
+    BatchSelected,
     Bus,
-    CycleFinished,
+    CycleCompleted,
     CycleStarted,
     GaugesMeasured,
     LockLost,
-    MassClosure,
     PhaseCompleted,
     PhaseFailed,
+    PhaseMassClosure,
     RelayBatchCommitted,
     RelayPassCompleted,
     StopSignalsSent,
 )
 from reaper.logs import get_logger, log
+from reaper.phases import ORDER, PHASES
 
 logger = get_logger("metrics")
 
@@ -73,8 +74,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 RUN_RESULTS = ("completed", "skipped", "failed")
 # docs/design.md#metrics: closed conferences only. A run the mass-closure guard stopped
 # closed nothing: it has its own counter (mass_closure_blocked_total).
-ITEM_OUTCOMES = ("empty_timeout", "provision_failed", "stale_timeout")
-PHASE_NAMES = ("empty_room", "provision_timeout", "stale_live")
+ITEM_OUTCOMES = tuple(phase.outcome for phase in PHASES.values())
+PHASE_NAMES = ORDER
 
 # The names a dashboard or alert may use (the test of ops/ checks against it).
 EXPORTED = (
@@ -344,12 +345,12 @@ def _alive(pid: int) -> bool:
 def subscribe(bus: Bus) -> None:
     """Count what the engine tells (reaper.wiring connects it at process set-up)."""
     bus.subscribe(CycleStarted, _cycle_started)
-    bus.subscribe(CycleFinished, _cycle_finished)
-    bus.subscribe(BatchCommitted, _batch_committed)
+    bus.subscribe(CycleCompleted, _cycle_finished)
+    bus.subscribe(BatchSelected, _batch_selected)
     bus.subscribe(PhaseCompleted, _phase_completed)
     bus.subscribe(PhaseFailed, _phase_failed)
     bus.subscribe(LockLost, _lock_lost)
-    bus.subscribe(MassClosure, _mass_closure)
+    bus.subscribe(PhaseMassClosure, _mass_closure)
     bus.subscribe(StopSignalsSent, _stop_signals)
     bus.subscribe(GaugesMeasured, _gauges)
     bus.subscribe(RelayBatchCommitted, _relay_batch)
@@ -360,7 +361,7 @@ def _cycle_started(fact: CycleStarted) -> None:
     _m().clock_skew.set(fact.clock_skew_seconds)
 
 
-def _cycle_finished(fact: CycleFinished) -> None:
+def _cycle_finished(fact: CycleCompleted) -> None:
     m = _m()
     skipped = bool(fact.result.get("skipped"))
     result = "skipped" if skipped else "failed" if fact.errors > 0 else "completed"
@@ -373,7 +374,7 @@ def _cycle_finished(fact: CycleFinished) -> None:
         m.last_cycle.set(time.time())
 
 
-def _batch_committed(fact: BatchCommitted) -> None:
+def _batch_selected(fact: BatchSelected) -> None:
     m = _m()
     if fact.reaped:
         histogram = m.lateness.labels(phase=fact.phase)  # once per batch, not per room
@@ -381,8 +382,8 @@ def _batch_committed(fact: BatchCommitted) -> None:
             if item.lateness_seconds is not None:
                 histogram.observe(max(0.0, item.lateness_seconds))
         m.items.labels(outcome=fact.outcome).inc(len(fact.reaped))
-    if fact.rejected:
-        m.errors.inc(len(fact.rejected))
+    if fact.poison:
+        m.errors.inc(len(fact.poison))
 
 
 def _phase_completed(fact: PhaseCompleted) -> None:
@@ -400,7 +401,7 @@ def _lock_lost(fact: LockLost) -> None:
     _m().errors.inc()
 
 
-def _mass_closure(fact: MassClosure) -> None:
+def _mass_closure(fact: PhaseMassClosure) -> None:
     if not fact.allowed:
         _m().mass_closure_blocked.inc()
 

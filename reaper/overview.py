@@ -15,34 +15,18 @@ from typing import Any
 from sqlalchemy import Engine, make_url
 
 from reaper import budgets
-from reaper.census import (
-    ACTIVITY_AHEAD_TOLERANCE,
-    SHORT,
-    activity_ahead_count,
-    census,
-    cutoffs,
-)
+from reaper.census import ACTIVITY_AHEAD_TOLERANCE, activity_ahead_count, census
 from reaper.clock import human
 from reaper.clock import rfc3339_or_none as rfc3339
 from reaper.config import Settings
 from reaper.control import TenantPolicy
 from reaper.db import transaction
-from reaper.phases import ORDER, PHASES, Phase, tenant_windows
-from reaper.queries import Queries
+from reaper.phases import ORDER, PHASES, Phase, bounds, mass_closure, tenant_windows
 
 
 def safe_url(url: str) -> str:
     """The database URL without its password."""
     return make_url(url).render_as_string(hide_password=True)
-
-
-def ranges(queries: Queries, settings: Settings, as_of: datetime) -> dict[str, datetime]:
-    """Per phase the widest cutoff, the end of its index range (plan_candidates)."""
-    shortest = tenant_windows(queries)
-    return {
-        f"{short}_range": PHASES[name].range_cutoff(settings, as_of, shortest)
-        for name, short in SHORT.items()
-    }
 
 
 # -- reaper status -----------------------------------------------------------
@@ -57,7 +41,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
         pid = queries.run_lock_holder()
         activity = queries.backend_activity(pid) if pid is not None else None
         runs = queries.last_runs()
-        pauses = queries.active_pauses()
+        pauses = queries.active_pauses(ORDER)
         tenant_policies = queries.tenant_policy_count()
     lock: dict[str, Any] = {"held": pid is not None, "holder_pid": pid}
     if activity is not None:
@@ -217,11 +201,11 @@ def plan(
         rows = queries.plan_candidates(
             as_of=as_of,
             per_phase=per_phase,
-            **cutoffs(settings, as_of),
-            **ranges(queries, settings, as_of),
+            phases=ORDER,
+            **bounds(settings, as_of, tenant_windows(queries)),
         )
         active = queries.active_count()
-        paused = {row.phase: row.reason for row in queries.active_pauses()}
+        paused = {row.phase: row.reason for row in queries.active_pauses(ORDER)}
         ahead_count = activity_ahead_count(queries, now)
         ahead = queries.activity_ahead(now, now + ACTIVITY_AHEAD_TOLERANCE, per_phase)
     phases: dict[str, dict[str, Any]] = {}
@@ -236,16 +220,21 @@ def plan(
             "truncated": p.eligible > per_phase,
             "conferences": [],
         }
-    # The mass-closure guard runs after empty_room has committed (cycle.py).
-    stale = phases["stale_live"]
-    active_after = active - phases["empty_room"]["would_close"]
+    # A guarded phase's mass-closure guard runs after the phases before it have
+    # committed (cycle.py): it counts the Active rooms they leave.
     share, floor = settings.mass_closure_share, settings.mass_closure_floor
-    if stale["would_close"] > floor and stale["would_close"] > share * active_after:
-        stale["blocked"] = (
-            f"mass-closure guard: {stale['would_close']} of {active_after} active "
-            f"(share {share}, floor {floor}); `reaper reap --once --allow-mass-closure` ends them"
-        )
-        stale["would_close"] = 0
+    active_left = active
+    for name in ORDER:
+        phase, entry = PHASES[name], phases[name]
+        if phase.guarded and mass_closure(entry["would_close"], active_left, settings):
+            entry["blocked"] = (
+                f"mass-closure guard: {entry['would_close']} of {active_left} active "
+                f"(share {share}, floor {floor}); `reaper reap --once --allow-mass-closure` "
+                "ends them"
+            )
+            entry["would_close"] = 0
+        if phase.ends_active:
+            active_left -= entry["would_close"]
     for row in rows:
         phase = PHASES[row.phase]
         window = row.tenant_window or phase.window(settings)
@@ -323,7 +312,7 @@ def format_plan(data: dict[str, Any]) -> str:
 # -- reaper policy -----------------------------------------------------------
 
 
-WINDOWS = ("empty_room_grace", "provision_timeout", "stale_live_timeout")
+WINDOWS = tuple(phase.window_name for phase in PHASES.values())
 
 
 def _window_text(policy: Any, name: str, settings: Settings) -> str:
@@ -335,7 +324,7 @@ def _window_text(policy: Any, name: str, settings: Settings) -> str:
 
 def format_policy(policy: Any, settings: Settings) -> str:
     """``TENANT: empty_room_grace 10m, provision_timeout default (2m), ...`` of a
-    policy, a PolicySet or a PolicyUnset."""
+    policy, a ControlPolicySet or a ControlPolicyUnset."""
     windows = ", ".join(f"{name} {_window_text(policy, name, settings)}" for name in WINDOWS)
     return f"{policy.tenant_id}: {windows}"
 

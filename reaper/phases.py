@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from reaper.config import Settings
-from reaper.events import ConferenceAnomaly, ConferenceReaped, ConferenceRejected, StopRequest
+from reaper.events import ConferenceAnomaly, ConferenceReaped, ItemFailed, StopRequest
 from reaper.queries import Queries
 
 # Per phase, the shortest window any tenant policy sets (None: none does).
@@ -31,6 +31,15 @@ class Phase:
     # the column of messenger.reaper_tenant_policies (and of Settings) that holds
     # a tenant's own window for this phase (docs/design.md#windows-per-tenant)
     window_name: str = ""
+    # the prefix of its bounds in sql/queries.sql (:empty_cutoff, :empty_range)
+    param: str = ""
+
+    @property
+    def ends_active(self) -> bool:
+        """It ends Active rooms (the live ones the mass-closure guard counts), each
+        with a conference-ended event in the outbox; provision_timeout fails
+        Provisioning rooms, with a realtime signal only."""
+        return self.status == "Ended"
 
     def window(self, settings: Settings) -> timedelta:
         """The default window; a tenant's policy replaces it for its conferences."""
@@ -52,21 +61,31 @@ class Phase:
 
 EMPTY_ROOM = Phase(
     "empty_room", "empty_timeout", "empty_timeout_count", "Ended", "EmptyTimeout",
-    window_name="empty_room_grace",
+    window_name="empty_room_grace", param="empty",
 )  # fmt: skip
 PROVISION_TIMEOUT = Phase(
     "provision_timeout", "provision_failed", "provision_failed_count", "Failed", "Error",
-    window_name="provision_timeout",
+    window_name="provision_timeout", param="provision",
 )  # fmt: skip
 STALE_LIVE = Phase(
     "stale_live", "stale_timeout", "stale_timeout_count", "Ended", "Timeout", guarded=True,
-    window_name="stale_live_timeout",
+    window_name="stale_live_timeout", param="stale",
 )  # fmt: skip
 
 # A transition is terminal, so a room closed by an earlier phase is invisible to
 # the later ones; this order is the design's (docs/design.md#order-and-batches).
 PHASES: dict[str, Phase] = {p.name: p for p in (EMPTY_ROOM, PROVISION_TIMEOUT, STALE_LIVE)}
 ORDER: tuple[str, ...] = tuple(PHASES)
+
+
+def mass_closure(eligible: int, active: int, settings: Settings) -> bool:
+    """Ending ``eligible`` of ``active`` live rooms at once is a mass closure (the
+    guard of a guarded phase, docs/reliability.md#the-mass-closure-guard): more
+    than REAPER_MASS_CLOSURE_FLOOR rooms, and more than REAPER_MASS_CLOSURE_SHARE
+    of the live ones."""
+    return (
+        eligible > settings.mass_closure_floor and eligible > settings.mass_closure_share * active
+    )
 
 
 def tenant_windows(queries: Queries) -> Shortest:
@@ -76,10 +95,25 @@ def tenant_windows(queries: Queries) -> Shortest:
     return {name: getattr(row, name) for name in ORDER}
 
 
+def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
+    """Every phase's default cutoff, as the statements name it (:empty_cutoff, ...)."""
+    return {f"{p.param}_cutoff": p.cutoff(settings, as_of) for p in PHASES.values()}
+
+
+def bounds(settings: Settings, as_of: datetime, shortest: Shortest) -> dict[str, datetime]:
+    """Every phase's default cutoff and the end of its index range (its widest
+    cutoff), as the statements name them (:empty_cutoff, :empty_range, ...): a
+    statement selects any phase's rooms by these (the fragments <phase>_rooms)."""
+    return cutoffs(settings, as_of) | {
+        f"{p.param}_range": p.range_cutoff(settings, as_of, shortest) for p in PHASES.values()
+    }
+
+
 @dataclass
 class BatchOutcome:
     reaped: list[ConferenceReaped] = field(default_factory=list)
-    rejected: list[ConferenceRejected] = field(default_factory=list)
+    # rows the database refuses (docs/design.md#names): left out for the cycle
+    poison: list[ItemFailed] = field(default_factory=list)
     locked: list[str] = field(default_factory=list)
     # claimed, but a command holds one of their open roster rows: left alone
     held: list[str] = field(default_factory=list)
@@ -94,7 +128,7 @@ class BatchOutcome:
 
     @property
     def claimed(self) -> int:
-        return len(self.reaped) + len(self.rejected) + len(self.held)
+        return len(self.reaped) + len(self.poison) + len(self.held)
 
     def full(self, batch_size: int) -> bool:
         """A whole batch: there may be more to do."""
@@ -102,14 +136,14 @@ class BatchOutcome:
 
     def merge(self, other: BatchOutcome) -> BatchOutcome:
         return BatchOutcome(
-            self.reaped + other.reaped,
-            self.rejected + other.rejected,
-            self.locked + other.locked,
-            self.held + other.held,
-            self.stops + other.stops,
-            self.anomalies + other.anomalies,
-            max(self.candidates, other.candidates),
-            self.fenced or other.fenced,
+            reaped=self.reaped + other.reaped,
+            poison=self.poison + other.poison,
+            locked=self.locked + other.locked,
+            held=self.held + other.held,
+            stops=self.stops + other.stops,
+            anomalies=self.anomalies + other.anomalies,
+            candidates=max(self.candidates, other.candidates),
+            fenced=self.fenced or other.fenced,
         )
 
 
@@ -127,9 +161,7 @@ def candidates(
     return queries.batch_candidates(
         phase=phase.name,
         as_of=as_of,
-        cutoff=phase.cutoff(settings, as_of),
-        range_cutoff=phase.range_cutoff(settings, as_of, shortest),
-        require_empty=phase is EMPTY_ROOM,
+        bounds=bounds(settings, as_of, shortest),
         batch_size=settings.batch_size,
         excluded=excluded,
     )
@@ -154,9 +186,9 @@ def reap_batch(
     here, in the batch's transaction, when not given."""
     shortest = tenant_windows(queries) if shortest is None else shortest
     common = {
+        "phase": phase.name,
         "as_of": as_of,
-        "cutoff": phase.cutoff(settings, as_of),
-        "range_cutoff": phase.range_cutoff(settings, as_of, shortest),
+        "bounds": bounds(settings, as_of, shortest),
         "batch_size": settings.batch_size,
         "excluded": excluded,
         "only": only,
@@ -168,7 +200,6 @@ def reap_batch(
     else:
         rows = queries.end_active_batch(
             **common,
-            require_empty=phase is EMPTY_ROOM,
             end_reason=phase.end_reason,
             topic=settings.conference_ended_topic,
         )
@@ -179,24 +210,29 @@ def reap_batch(
         if kind == "reaped":
             outcome.reaped.append(
                 ConferenceReaped(
-                    run_id,
-                    phase.name,
-                    conference_id,
-                    chat_id,
-                    deal_id,
-                    tenant_id,
-                    phase.status,
-                    phase.end_reason,
-                    duration,
-                    lateness,
+                    run_id=run_id,
+                    phase=phase.name,
+                    conference_id=conference_id,
+                    chat_id=chat_id,
+                    deal_id=deal_id,
+                    tenant_id=tenant_id,
+                    status=phase.status,
+                    end_reason=phase.end_reason,
+                    duration_seconds=duration,
+                    lateness_seconds=lateness,
                 )
             )
             if detail is not None:
                 outcome.anomalies.append(
-                    ConferenceAnomaly(run_id, phase.name, conference_id, detail)
+                    ConferenceAnomaly(
+                        run_id=run_id, phase=phase.name, conference_id=conference_id, problem=detail
+                    )
                 )
         elif kind == "poison":
-            outcome.rejected.append(ConferenceRejected(run_id, phase.name, conference_id, detail))
+            poison = ItemFailed(
+                run_id=run_id, phase=phase.name, conference_id=conference_id, error=detail
+            )
+            outcome.poison.append(poison)
         elif kind == "locked":
             outcome.locked.append(conference_id)
         elif kind == "held":

@@ -7,6 +7,7 @@ reads rows, so a reader finds every statement the reaper runs in one place.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
@@ -18,15 +19,19 @@ from reaper.budgets import KEEPALIVE_PROBES, Budget
 
 QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
 _HEADER = re.compile(r"^-- (?P<kind>name|fragment): (?P<name>[a-z_]+)\s*$", re.MULTILINE)
-_INCLUDE = re.compile(r"^-- include: (?P<name>[a-z_]+)\s*$", re.MULTILINE)
+_INCLUDE = re.compile(r"^[ \t]*-- include: (?P<name>[a-z_]+)[ \t]*$", re.MULTILINE)
+_LEADING_COMMENT = re.compile(r"\A(?:--[^\n]*\n)+")
 
 
 def parse(source: str) -> dict[str, str]:
     """Split a ``-- name: x`` annotated file into ``{name: sql}``.
 
     A ``-- fragment: y`` block is SQL written once for several queries: a line
-    ``-- include: y`` in a query stands for it (the fence and the roster locks
-    of the phase statements, say), so one rule has one text.
+    ``-- include: y`` (indented or not) in a query or in another fragment stands
+    for it, without the comment lines it starts with (they document it once,
+    where it is written). The phase statements share their claim, a phase's
+    rooms are one fragment wherever they are selected, and so one rule has one
+    text.
     """
     headers = list(_HEADER.finditer(source))
     blocks: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
@@ -38,13 +43,21 @@ def parse(source: str) -> dict[str, str]:
         blocks[kind][name] = source[header.end() : end].strip()
     fragments = blocks["fragment"]
 
-    def include(match: re.Match[str]) -> str:
-        name = match["name"]
-        if name not in fragments:
-            raise ValueError(f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}")
-        return fragments[name]
+    def expand(sql: str, within: tuple[str, ...]) -> str:
+        def include(match: re.Match[str]) -> str:
+            name = match["name"]
+            if name not in fragments:
+                raise ValueError(
+                    f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}"
+                )
+            if name in within:
+                raise ValueError(f"fragment {name!r} includes itself in {QUERIES_FILE.name}")
+            body = _LEADING_COMMENT.sub("", fragments[name] + "\n").rstrip("\n")
+            return expand(body, (*within, name))
 
-    return {name: _INCLUDE.sub(include, sql) for name, sql in blocks["name"].items()}
+        return _INCLUDE.sub(include, sql)
+
+    return {name: expand(sql, ()) for name, sql in blocks["name"].items()}
 
 
 @cache
@@ -180,13 +193,15 @@ class Queries:
     def last_runs(self) -> list[Row]:
         return list(_run(self.conn, "last_runs"))
 
+    # A phase statement selects the rooms of ``phase`` by ``bounds``: every
+    # phase's default cutoff and range end (phases.bounds), named as in the SQL.
+
     def end_active_batch(
         self,
         *,
+        phase: str,
         as_of: datetime,
-        cutoff: datetime,
-        range_cutoff: datetime,
-        require_empty: bool,
+        bounds: Mapping[str, datetime],
         end_reason: str,
         batch_size: int,
         excluded: list[str],
@@ -199,10 +214,9 @@ class Queries:
             _run(
                 self.conn,
                 "end_active_batch",
+                phase=phase,
                 as_of=as_of,
-                cutoff=cutoff,
-                range_cutoff=range_cutoff,
-                require_empty=require_empty,
+                **bounds,
                 end_reason=end_reason,
                 batch_size=batch_size,
                 excluded=excluded,
@@ -216,9 +230,9 @@ class Queries:
     def fail_provisioning_batch(
         self,
         *,
+        phase: str,
         as_of: datetime,
-        cutoff: datetime,
-        range_cutoff: datetime,
+        bounds: Mapping[str, datetime],
         batch_size: int,
         excluded: list[str],
         only: list[str] | None,
@@ -229,9 +243,9 @@ class Queries:
             _run(
                 self.conn,
                 "fail_provisioning_batch",
+                phase=phase,
                 as_of=as_of,
-                cutoff=cutoff,
-                range_cutoff=range_cutoff,
+                **bounds,
                 batch_size=batch_size,
                 excluded=excluded,
                 only=only,
@@ -245,9 +259,7 @@ class Queries:
         *,
         phase: str,
         as_of: datetime,
-        cutoff: datetime,
-        range_cutoff: datetime,
-        require_empty: bool,
+        bounds: Mapping[str, datetime],
         batch_size: int,
         excluded: list[str],
     ) -> list[str]:
@@ -257,17 +269,18 @@ class Queries:
                 "batch_candidates",
                 phase=phase,
                 as_of=as_of,
-                cutoff=cutoff,
-                range_cutoff=range_cutoff,
-                require_empty=require_empty,
+                **bounds,
                 batch_size=batch_size,
                 excluded=excluded,
+                only=None,
             ).scalars()
         )
 
     def stale_live_eligible(self, *, as_of: datetime, cutoff: datetime, excluded: list[str]) -> int:
         """The Active rooms stale_live would end now (the mass-closure guard)."""
-        row = _run(self.conn, "stale_live_eligible", as_of=as_of, cutoff=cutoff, excluded=excluded)
+        row = _run(
+            self.conn, "stale_live_eligible", as_of=as_of, stale_cutoff=cutoff, excluded=excluded
+        )
         return int(row.scalar())
 
     def active_count(self) -> int:
@@ -393,6 +406,7 @@ class Queries:
         provision_range: datetime,
         stale_range: datetime,
         per_phase: int,
+        phases: Sequence[str],
     ) -> list[Row]:
         return list(
             _run(
@@ -406,6 +420,7 @@ class Queries:
                 provision_range=provision_range,
                 stale_range=stale_range,
                 per_phase=per_phase,
+                phases=list(phases),
             )
         )
 
@@ -414,8 +429,9 @@ class Queries:
 
     # -- operator controls ------------------------------------------------------
 
-    def active_pauses(self) -> list[Row]:
-        return list(_run(self.conn, "active_pauses"))
+    def active_pauses(self, phases: Sequence[str]) -> list[Row]:
+        """``phases``: every phase, in the order to list them (phases.ORDER)."""
+        return list(_run(self.conn, "active_pauses", phases=list(phases)))
 
     def phase_pause(self, phase: str) -> str | None:
         """The reason the phase is paused now, or None."""

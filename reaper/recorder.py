@@ -41,7 +41,7 @@ from reaper import budgets
 from reaper.config import Settings
 from reaper.db import begin, engine_of, transaction
 from reaper.errors import describe
-from reaper.events import Bus, StopPassCompleted, StopRequest, StopSignalsSent, process_bus
+from reaper.events import Bus, RecorderPassCompleted, StopRequest, StopSignalsSent, process_bus
 from reaper.logs import get_logger, log
 
 logger = get_logger("recorder")
@@ -256,7 +256,7 @@ class StopPass:
         except SQLAlchemyError as exc:  # best effort: the signals are due again later
             log(logger, "recorder.db_failed", level=logging.WARNING, error=describe(exc))
         result.duration_ms = round((self.clock() - started) * 1000)
-        self.bus.emit(StopPassCompleted(**asdict(result)))
+        self.bus.emit(RecorderPassCompleted(**asdict(result)))
         return result
 
     def running(self) -> bool:

@@ -51,6 +51,7 @@ from reaper.clock import rfc3339, utcnow
 from reaper.config import Settings
 from reaper.db import begin, transaction
 from reaper.errors import describe
+from reaper.phases import PHASES
 from reaper.queries import Queries
 
 # An as_of given by hand may be at most this much later than the database's clock.
@@ -62,9 +63,7 @@ HEARTBEATS_PER_LEASE = 4
 KEEP_FINISHED = timedelta(days=1)
 
 COUNT_KEYS = (
-    "empty_timeout_count",
-    "provision_failed_count",
-    "stale_timeout_count",
+    *(phase.count_key for phase in PHASES.values()),
     "skipped_locked_count",
     "failed_count",
 )

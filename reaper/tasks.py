@@ -3,7 +3,7 @@
 A cycle is ``reaper.reap`` taking the run at its head and replacing itself by
 the chain ``reap_phase(empty_room) | reap_phase(provision_timeout) |
 reap_phase(stale_live) | reap(finish=run_id)``. Each phase is its own task
-(visible in Flower) and is given nothing but the run id (``cycle=run_id``),
+(visible in Flower) and is given nothing but the run id (``of_run=run_id``),
 because the run's state lives in its row (reaper/runs.py). The last link
 inherits the original task id and reports the cycle's totals.
 
@@ -54,16 +54,13 @@ def reap(self: Task, as_of: str | None = None, *, finish: str | None = None) -> 
     reaper = get_reaper()
     if finish is not None:
         result = reaper.finish(finish)
-        if result["empty_timeout_count"] + result["stale_timeout_count"] > 0:
+        closed = {phase: result[phase.count_key] for phase in PHASES.values()}
+        if any(count for phase, count in closed.items() if phase.ends_active):
             # The cycle wrote integration events: publish them now, not at
             # the next relay tick.
             relay_outbox.apply_async(expires=RELAY_EXPIRES)
-        closed = (
-            result["empty_timeout_count"]
-            + result["stale_timeout_count"]
-            + result["provision_failed_count"]
-        )
-        if closed > 0 and reaper.settings.recorder_url and not get_stop_pass().running():
+        stops_due = sum(closed.values()) > 0 and reaper.settings.recorder_url
+        if stops_due and not get_stop_pass().running():
             # Rooms it closed may have recordings running: their stop signals
             # are due now, not at the next beat tick. Not while a pass runs:
             # passes queued behind it would take the worker's slots from the
@@ -77,7 +74,7 @@ def reap(self: Task, as_of: str | None = None, *, finish: str | None = None) -> 
     expires = reaper.settings.lock_ttl.total_seconds()
     return self.replace(
         chain(
-            *(reap_phase.si(name, cycle=cycle.run_id).set(expires=expires) for name in ORDER),
+            *(reap_phase.si(name, of_run=cycle.run_id).set(expires=expires) for name in ORDER),
             reap.si(finish=cycle.run_id).set(expires=expires),
         )
     )
@@ -89,16 +86,22 @@ def reap_phase(
     *,
     as_of: str | None = None,
     run_id: str | None = None,
+    of_run: str | None = None,
     cycle: str | None = None,
 ) -> Any:
-    """One phase. ``cycle`` (a run id, passed by a cycle's chain): that cycle's phase,
+    """One phase. ``of_run`` (the run id a cycle's chain passes): that cycle's phase,
     which does nothing if the run is no longer the cycle's. Otherwise, by hand: a
-    cycle of this phase alone (``as_of``, ``run_id`` as for ``reaper.reap``)."""
+    cycle of this phase alone (``as_of``, ``run_id`` as for ``reaper.reap``).
+
+    ``cycle`` is ``of_run`` under the name a worker of the release before this one
+    queues it with: during a rolling deploy such a chain reaches a new worker (its
+    messages expire within REAPER_LOCK_TTL)."""
     if phase not in PHASES:
         raise ValueError(f"unknown phase {phase!r}; one of {', '.join(ORDER)}")
     reaper = get_reaper()
-    if cycle is not None:
-        return reaper.run_phase(phase, cycle)
+    of_run = of_run or cycle
+    if of_run is not None:
+        return reaper.run_phase(phase, of_run)
     return reaper.run_cycle(as_of, run_id, phases=[phase])
 
 

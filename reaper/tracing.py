@@ -43,7 +43,7 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
-from reaper.events import BatchCommitted, Bus, CycleFinished, PhaseCompleted, PhaseFailed
+from reaper.events import BatchSelected, Bus, CycleCompleted, PhaseCompleted, PhaseFailed
 from reaper.logs import get_logger, log
 from reaper.traceids import cycle_span_id_for, phase_span_id_for, trace_id_for
 
@@ -139,14 +139,14 @@ def _ns(moment: datetime) -> int:
 
 
 def subscribe(bus: Bus) -> None:
-    bus.subscribe(BatchCommitted, _conference_spans)
+    bus.subscribe(BatchSelected, _conference_spans)
     bus.subscribe(PhaseCompleted, _phase_span)
     bus.subscribe(PhaseFailed, _phase_span)
-    bus.subscribe(CycleFinished, _cycle_span)
+    bus.subscribe(CycleCompleted, _cycle_span)
 
 
-def _conference_spans(fact: BatchCommitted) -> None:
-    """One span per conference a committed batch reaped or rejected."""
+def _conference_spans(fact: BatchSelected) -> None:
+    """One span per conference a committed batch reaped, or found poison."""
     if not enabled():
         return
     context = _remote(fact.run_id, phase_span_id_for(fact.run_id, fact.phase))
@@ -168,14 +168,14 @@ def _conference_spans(fact: BatchCommitted) -> None:
             "reaper.conference", context=context, start_time=fact.started_ns, attributes=attributes
         )
         span.end(end_time=fact.ended_ns)
-    for rejected in fact.rejected:
+    for poison in fact.poison:
         span = _tracer.start_span(
             "reaper.conference",
             context=context,
             start_time=fact.started_ns,
-            attributes={**common, "conference_id": rejected.conference_id},
+            attributes={**common, "conference_id": poison.conference_id},
         )
-        span.set_status(Status(StatusCode.ERROR, rejected.reason))
+        span.set_status(Status(StatusCode.ERROR, poison.error))
         span.end(end_time=fact.ended_ns)
 
 
@@ -191,7 +191,7 @@ def _phase_span(fact: PhaseCompleted | PhaseFailed) -> None:
         attributes.update(
             {
                 "reaper.batches": fact.batches,
-                "reaper.rejected": fact.rejected,
+                "reaper.poison": fact.poison,
                 "reaper.skipped_locked": fact.skipped_locked,
                 "reaper.blocked": fact.blocked,
                 "reaper.lost": fact.lost,
@@ -210,7 +210,7 @@ def _phase_span(fact: PhaseCompleted | PhaseFailed) -> None:
     span.end(end_time=max(fact.ended_ns, fact.started_ns))
 
 
-def _cycle_span(fact: CycleFinished) -> None:
+def _cycle_span(fact: CycleCompleted) -> None:
     """The cycle's own span, recorded at its end with the ids its phases used."""
     if not enabled():
         return

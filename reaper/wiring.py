@@ -19,11 +19,11 @@ from sqlalchemy import Engine
 from reaper import census, eventlog, metrics, tracing
 from reaper.config import Settings
 from reaper.db import engine_of
-from reaper.events import Bus, CycleFinished, process_bus
+from reaper.events import Bus, CycleCompleted, process_bus
 
 _lock = threading.Lock()
-# The buses already wired. Weak, not by id(): a collected bus's id is reused by
-# a new one, which then was taken for wired and got no subscriber at all.
+# The buses already wired. Weak, not by id(): a collected bus's id can be reused
+# by a new one, which would then count as wired and get no subscriber at all.
 _installed: weakref.WeakSet[Bus] = weakref.WeakSet()
 
 
@@ -37,7 +37,7 @@ def install(settings: Settings, bus: Bus = process_bus, *, engine: Engine | None
     eventlog.subscribe(bus)
     metrics.subscribe(bus)
     tracing.subscribe(bus)
-    bus.subscribe(CycleFinished, Gauges(engine, settings, bus))
+    bus.subscribe(CycleCompleted, Gauges(engine, settings, bus))
     return bus
 
 
@@ -55,7 +55,7 @@ class Gauges:
         self.settings = settings
         self.bus = bus
 
-    def __call__(self, _: CycleFinished) -> None:
+    def __call__(self, _: CycleCompleted) -> None:
         self.refresh()
 
     def refresh(self) -> None:

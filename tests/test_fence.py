@@ -17,7 +17,7 @@ from sqlalchemy.exc import OperationalError
 from reaper import budgets, metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from reaper.events import BatchCommitted, Bus, LockLost, PhaseCompleted, PhaseFailed
+from reaper.events import BatchSelected, Bus, LockLost, PhaseCompleted, PhaseFailed
 from reaper.phases import EMPTY_ROOM, reap_batch
 from reaper.queries import Queries
 from reaper.runs import Runs
@@ -133,17 +133,17 @@ def test_a_phase_whose_lock_session_ends_stops_and_counts_what_it_committed(sett
         f.bulk_conferences(conn, 400)
     settings = settings.model_copy(update={"batch_size": 10, "drain_lanes": 2})
     bus = Bus()
-    facts = FactRecorder(bus, BatchCommitted, PhaseFailed, LockLost)
+    facts = FactRecorder(bus, BatchSelected, PhaseFailed, LockLost)
     reaper = Reaper(settings, engine=engine, bus=bus)
     killed = threading.Event()
 
-    def end_lock_session(fact: BatchCommitted) -> None:
+    def end_lock_session(fact: BatchSelected) -> None:
         if killed.is_set() or fact.phase != "empty_room":
             return
         killed.set()
         end_lock_sessions(engine)
 
-    bus.subscribe(BatchCommitted, end_lock_session)
+    bus.subscribe(BatchSelected, end_lock_session)
     metrics.subscribe(bus)
     errors_before = metrics.sample(ERRORS)
     cycle = reaper.start(T0)
@@ -197,7 +197,7 @@ def test_a_lock_lost_after_the_last_batch_is_counted_in_errors_total(settings, e
     reaper = Reaper(settings, engine=engine, bus=bus)
     terminated: list[int] = []
     # the only batch is short: the drain ends after its report, then the phase releases
-    bus.subscribe(BatchCommitted, lambda fact: terminated.append(end_lock_sessions(engine)))
+    bus.subscribe(BatchSelected, lambda fact: terminated.append(end_lock_sessions(engine)))
     errors_before = metrics.sample(ERRORS)
     cycle = reaper.start(T0)
     phase = reaper.run_phase("empty_room", cycle.run_id)

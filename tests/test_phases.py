@@ -13,7 +13,7 @@ from reaper import budgets
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.db import transaction
-from reaper.events import BatchCommitted, Bus
+from reaper.events import BatchSelected, Bus
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import SteppingClock, log_events
@@ -24,9 +24,9 @@ def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
 
 
 def reported_stops(bus: Bus) -> list:
-    """The stop rows the phases report (BatchCommitted.stops), as they commit."""
+    """The stop rows the phases report (BatchSelected.stops), as they commit."""
     stops: list = []
-    bus.subscribe(BatchCommitted, lambda fact: stops.extend(fact.stops))
+    bus.subscribe(BatchSelected, lambda fact: stops.extend(fact.stops))
     return stops
 
 

@@ -21,7 +21,7 @@ from reaper.clock import human
 from reaper.config import Settings
 from reaper.control import OPTIONS, STALE_LIVE_FLOOR, Controls, PolicyRefused, floors
 from reaper.cycle import Reaper
-from reaper.events import ConferenceReaped, MassClosure, process_bus
+from reaper.events import ConferenceReaped, PhaseMassClosure, process_bus
 from reaper.overview import plan, status
 from reaper.wiring import Gauges
 from tests.support import factory as f
@@ -313,15 +313,15 @@ def test_the_guard_counts_with_the_tenant_windows(settings, engine, caplog):
                          tenant_id=A)  # fmt: skip
         for _ in range(10):
             f.conference(conn, idle=timedelta(minutes=1), participants=2)
-    facts = FactRecorder(process_bus, MassClosure)
+    facts = FactRecorder(process_bus, PhaseMassClosure)
     try:
         assert Reaper(settings, engine=engine).run_cycle(T0)["stale_timeout_count"] == 0
-        assert facts.of(MassClosure) == []  # not stale by the default 4 h: nothing to guard
+        assert facts.of(PhaseMassClosure) == []  # not stale by the default 4 h: nothing to guard
         Controls(engine, settings).set_policy(A, stale_live_timeout=timedelta(hours=1))
         planned = plan(engine, settings, T0, per_phase=5)["phases"]["stale_live"]
         assert planned["eligible"] == 30 and planned["blocked"]
         result = Reaper(settings, engine=engine).run_cycle(T0)
-        [guard] = facts.of(MassClosure)
+        [guard] = facts.of(PhaseMassClosure)
     finally:
         facts.close()
     assert result["stale_timeout_count"] == 0 and (guard.eligible, guard.active) == (30, 40)

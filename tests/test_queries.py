@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from reaper.queries import load, parse
@@ -44,3 +46,31 @@ def test_the_phase_statements_share_one_fence_and_one_roster_lock() -> None:
         sql = queries[name].text
         assert sql.count("fence AS (") == 1 and sql.count("roster_claimed AS (") == 1
         assert "-- include:" not in sql
+
+
+def test_a_fragment_may_include_another_indented_and_without_its_comment() -> None:
+    queries = parse(
+        "-- fragment: inner\n-- why inner, written once\nx > 1\n\n"
+        "-- fragment: outer\n-- why outer\nWHERE\n    -- include: inner\n\n"
+        "-- name: q\nSELECT * FROM t\n-- include: outer\n;"
+    )
+    assert queries["q"] == "SELECT * FROM t\nWHERE\nx > 1\n;"
+
+
+def test_a_fragment_that_includes_itself_is_refused() -> None:
+    with pytest.raises(ValueError, match="fragment 'loop' includes itself"):
+        parse("-- fragment: loop\nx\n-- include: loop\n\n-- name: q\n-- include: loop\n")
+
+
+def test_each_phase_statement_writes_each_phases_rooms_once() -> None:
+    """The claim (visible and claimed) is one fragment, the rooms of a phase one
+    fragment in it: the expanded statements hold them twice, the file once."""
+    source = (Path(__file__).parents[1] / "reaper" / "sql" / "queries.sql").read_text()
+    assert source.count("-- fragment: batch_rooms") == 1
+    # visible and claimed (the fragment claim), batch_candidates
+    assert source.count("-- include: batch_rooms") == 3
+    for name in ("end_active_batch", "fail_provisioning_batch"):
+        sql = load()[name].text
+        assert sql.count("\nvisible AS (") == 1 and sql.count("\nclaimed AS (") == 1
+        assert sql.count("CAST(:stale_range AS timestamptz)") == 2
+        assert sql.count("roster AS (") == 1 and sql.count("SELECT 'fenced'") == 1

@@ -226,9 +226,9 @@ def explain(
     """The phase statement's plan; ``analyze`` runs it (the caller rolls back)."""
     name, _, extra = PHASES[phase]
     params = {
+        "phase": phase,
         "as_of": as_of,
-        "cutoff": as_of - extra["window"],
-        "range_cutoff": widest(conn, phase, as_of),
+        **bounds(conn, as_of),
         "batch_size": batch_size,
         "excluded": [],
         "only": only,
@@ -238,7 +238,6 @@ def explain(
     }
     if name == "end_active_batch":
         params |= {
-            "require_empty": extra["require_empty"],
             "end_reason": extra["end_reason"],
             "topic": "pin.messenger.conference-ended.v1",
         }
@@ -348,6 +347,14 @@ CENSUS: dict[str, set[str]] = {
 }
 
 
+def bounds(conn: Connection, as_of: datetime) -> dict[str, datetime]:
+    """Every phase's default cutoff and range end, as phases.bounds names them."""
+    return {
+        f"{short}_cutoff": as_of - PHASES[phase][2]["window"]
+        for short, phase in zip(("empty", "provision", "stale"), PHASES, strict=True)
+    } | census_ranges(conn, as_of)
+
+
 def census_ranges(conn: Connection, as_of: datetime) -> dict[str, datetime]:
     return {
         f"{short}_range": widest(conn, phase, as_of)
@@ -385,6 +392,7 @@ def test_census_statements_count_index_ranges_not_live_rooms(
         "now": T0,  # the seeded rooms' clock: none of them is ahead of it
         "ahead_of": T0 + timedelta(seconds=5),
         "limit": 100,
+        "phases": list(PHASES),
     }
     with seeded.connect() as conn:
         if statement == "plan_candidates":
@@ -446,10 +454,8 @@ def test_the_census_counts_what_the_claims_would_select(seeded: Engine, policies
         def claimable(phase: str) -> int:
             rows = conn.execute(
                 load()["batch_candidates"],
-                {"phase": phase, "as_of": T0, "cutoff": T0 - windows[phase],
-                 "range_cutoff": widest(conn, phase, T0),
-                 "require_empty": phase == "empty_room", "batch_size": 1_000_000,
-                 "excluded": []},
+                {"phase": phase, "as_of": T0, **bounds(conn, T0), "batch_size": 1_000_000,
+                 "excluded": [], "only": None},
             )  # fmt: skip
             return len(rows.all())
 
@@ -458,7 +464,7 @@ def test_the_census_counts_what_the_claims_would_select(seeded: Engine, policies
         census = conn.execute(load()["eligible_census"], {"as_of": T0, **cutoffs}).one()
         guard = conn.execute(
             load()["stale_live_eligible"],
-            {"as_of": T0, "cutoff": T0 - windows["stale_live"], "excluded": []},
+            {"as_of": T0, "stale_cutoff": T0 - windows["stale_live"], "excluded": []},
         ).scalar_one()
         default_stale = conn.execute(
             text(

@@ -32,7 +32,7 @@ from sqlalchemy import text
 from reaper import cycle as cycle_module
 from reaper import metrics
 from reaper.cycle import Reaper
-from reaper.events import CycleFinished, PhaseFailed, StopPassCompleted
+from reaper.events import CycleCompleted, PhaseFailed, RecorderPassCompleted
 from reaper.recorder import StopPass
 from tests.support import factory as f
 from tests.support.facts import FactRecorder, count_events, log_events, output_events, wired_bus
@@ -161,7 +161,7 @@ def test_nothing_the_recorder_does_escapes_the_stop_signal(settings, engine, raw
     )
     room, recording = seed_recorded_room(engine, as_of=f.db_now(engine))
     bus = wired_bus(settings, engine)
-    facts = FactRecorder(bus, CycleFinished, PhaseFailed, StopPassCompleted)
+    facts = FactRecorder(bus, CycleCompleted, PhaseFailed, RecorderPassCompleted)
     before = metrics.sample(FAILED_METRIC)
     result = Reaper(settings, engine=engine, bus=bus).run_cycle()
     assert raw_recorder.requests == []  # the cycle sends nothing itself
@@ -170,9 +170,9 @@ def test_nothing_the_recorder_does_escapes_the_stop_signal(settings, engine, raw
     took = time.monotonic() - started
     assert result["empty_timeout_count"] == 1 and result["skipped"] is False
     assert not facts.of(PhaseFailed)
-    [end] = facts.of(CycleFinished)
+    [end] = facts.of(CycleCompleted)
     assert end.errors == 0
-    [sent] = facts.of(StopPassCompleted)
+    [sent] = facts.of(RecorderPassCompleted)
     assert sent.requested == 1 and sent.unsent == 0
     with engine.connect() as conn:
         assert f.session_row(conn, room["id"])["status"] == "Ended"
@@ -233,7 +233,7 @@ def test_an_unexpected_error_in_a_phase_is_counted_and_the_cycle_goes_on(
     assert result["provision_failed_count"] == 0
     [failed] = facts.of(PhaseFailed)
     assert failed.phase == "provision_timeout" and failed.error.startswith("KeyError")
-    [end] = facts.of(CycleFinished)
+    [end] = facts.of(CycleCompleted)
     assert end.errors == 1
     assert metrics.sample("messenger_conf_reaper_errors_total") == before + 1
     assert metrics.sample("messenger_conf_reaper_run_total", {"result": "failed"}) >= 1

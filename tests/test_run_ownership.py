@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from reaper.cycle import Reaper
-from reaper.events import CycleFinished, PhaseFailed
+from reaper.events import CycleCompleted, PhaseFailed
 from tests.support import factory as f
 from tests.support.facts import FactRecorder
 from tests.support.processes import ROOT, run_cli
@@ -147,8 +147,24 @@ def test_a_phase_that_cannot_take_the_lock_fails_and_never_reports_skipped(
     assert result["stale_timeout_count"] == 1
     [failed] = [p for p in facts.of(PhaseFailed) if p.phase == "provision_timeout"]
     assert failed.error.startswith("RunLockBusy: the single-runner lock is held by another")
-    [end] = facts.of(CycleFinished)
+    [end] = facts.of(CycleCompleted)
     assert end.errors == 1
+
+
+@pytest.mark.parametrize("name", ["of_run", "cycle"])
+def test_a_chain_link_runs_the_phase_of_its_cycle(settings, engine, monkeypatch, name: str):
+    """reaper.reap_phase given a run id runs that cycle's phase, not a cycle of its
+    own: as ``of_run``, and as ``cycle``, the name older workers queue it with."""
+    from reaper import tasks
+
+    seed(engine)
+    owner = Reaper(settings, engine=engine)
+    monkeypatch.setattr(tasks, "get_reaper", lambda: owner)
+    cycle = owner.start()
+    phase = tasks.reap_phase("empty_room", **{name: cycle.run_id})
+    result = owner.finish(cycle.run_id)
+    assert phase["run_id"] == cycle.run_id and phase["empty_timeout_count"] == 1
+    assert result["empty_timeout_count"] == 1 and result["stale_timeout_count"] == 0
 
 
 @pytest.mark.process

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from reaper.events import BatchCommitted, ConferenceReaped, CycleFinished
+from reaper.events import BatchSelected, ConferenceReaped, CycleCompleted
 from tests.support.facts import wired_bus
 
 
@@ -16,7 +16,7 @@ def test_every_new_bus_is_wired_even_on_a_collected_bus_address(settings, engine
     for _ in range(50):
         bus = wired_bus(settings, engine)
         addresses.add(id(bus))
-        assert bus.wants(CycleFinished) and bus.wants(BatchCommitted)
+        assert bus.wants(CycleCompleted) and bus.wants(BatchSelected)
         assert bus.wants(ConferenceReaped)
         del bus
         gc.collect()

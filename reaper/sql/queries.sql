@@ -18,21 +18,22 @@
 --
 -- Windows per tenant (docs/design.md#windows-per-tenant): a conference's window
 -- is its tenant's in messenger.reaper_tenant_policies when set, else the
--- default (:cutoff = :as_of - the default window). Every phase predicate is
--- written in two parts:
---   the index range, to the WIDEST cutoff (:range_cutoff; :empty_range ... in
---     plan_candidates): :as_of minus the shortest of the default window and
---     every tenant's (tenant_window_bounds, read once at the start of each
---     phase, cycle.Reaper._drain; phases.range_cutoff).
---     A constant, so the planner estimates the range from the statistics as it
---     did before policies existed. (Computed in the statement, as an InitPlan,
---     the bound is unknown when planning: with no policy at all the claim of a
---     1000-row batch became a bitmap scan of every candidate and a sort.)
---   the row's own cutoff: coalesce(:as_of - (SELECT p.<window> ... WHERE
---     p.tenant_id = s.tenant_id), :cutoff), a primary-key probe per row of the
---     range, which keeps the claim in index order. (The two counts,
---     eligible_census and stale_live_eligible, are written for a count: see
---     eligible_census.)
+-- default (:<phase>_cutoff = :as_of - the default window; <phase> is empty,
+-- provision or stale, phases.bounds). A phase's rooms are written once, in two
+-- forms: <phase>_rooms for the claims, the batch candidates and reaper plan,
+-- and a count's form (stale_live_counted, eligible_census). Each has two parts:
+--   the index range, to the WIDEST cutoff (:<phase>_range): :as_of minus the
+--     shortest of the default window and every tenant's (tenant_window_bounds,
+--     read once at the start of each phase, cycle.Reaper._drain;
+--     phases.Phase.range_cutoff).
+--     A constant, so the planner estimates the range from the statistics.
+--     (Computed in the statement, as an InitPlan, the bound is unknown when
+--     planning: with no policy at all the claim of a 1000-row batch becomes a
+--     bitmap scan of every candidate and a sort.)
+--   the row's own cutoff (<phase>_cutoff): coalesce(:as_of - (SELECT
+--     p.<window> ... WHERE p.tenant_id = s.tenant_id), :<phase>_cutoff), a
+--     primary-key probe per row of the range, which keeps the claim in index
+--     order. (The counts join the policies instead: see eligible_census.)
 -- A room is eligible when it passes both; the range alone only bounds the scan.
 -- A window made longer applies to every statement that starts after the change;
 -- one made shorter during a phase, from the next phase (the range is read then).
@@ -156,23 +157,30 @@ WHERE finished_at IS NULL
    OR run_id = (SELECT run_id FROM messenger.reaper_runs
                 WHERE finished_at IS NOT NULL ORDER BY finished_at DESC LIMIT 1);
 
+-- fragment: stale_live_counted
+-- stale_live's rooms written for a count (eligible_census says why): the range
+-- bound computed here, the policies joined (LEFT JOIN ... p ON p.tenant_id =
+-- s.tenant_id).
+s.status = 'Active'
+AND s.last_activity_at <= greatest(CAST(:stale_cutoff AS timestamptz),
+        CAST(:as_of AS timestamptz)
+        - (SELECT min(q.stale_live_timeout) FROM messenger.reaper_tenant_policies q))
+AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.stale_live_timeout,
+                                   CAST(:stale_cutoff AS timestamptz))
+
 -- name: stale_live_eligible
 -- The mass-closure guard's first input: the Active conferences stale_live would
 -- end now, each by its own tenant's window (else the default). A range of
 -- ix_conf_active to the widest cutoff, so a quiet cycle costs what the rooms in
 -- that range cost, not what the live ones do
 -- (docs/reliability.md#the-mass-closure-guard). Written for a count, as
--- eligible_census is: the range bound computed here, the policies joined.
+-- eligible_census is.
 SELECT count(*)
 FROM messenger.conference_sessions s
 LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
-WHERE s.status = 'Active'
-  AND s.last_activity_at <= greatest(CAST(:cutoff AS timestamptz),
-          CAST(:as_of AS timestamptz)
-          - (SELECT min(q.stale_live_timeout) FROM messenger.reaper_tenant_policies q))
-  AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.stale_live_timeout,
-                                     CAST(:cutoff AS timestamptz))
-  AND s.id <> ALL (CAST(:excluded AS uuid[]));
+WHERE
+    -- include: stale_live_counted
+    AND s.id <> ALL (CAST(:excluded AS uuid[]));
 
 -- name: active_count
 -- All Active conferences: the guard's second input, counted only when the
@@ -222,84 +230,184 @@ held AS (
       AND p.id NOT IN (SELECT r.id FROM roster_claimed r)
 ),
 
--- name: end_active_batch
-WITH visible AS (
+-- fragment: empty_room_cutoff
+-- The rooms' own cutoffs (docs/design.md#windows-per-tenant): :as_of minus the
+-- tenant's window for the phase, else the phase's default cutoff. One probe of
+-- the policies' primary key per row (alias s: the room), which keeps a claim in
+-- index order. Expressions: a phase's rooms are compared with them, and the
+-- lateness of a closed room is measured from them.
+coalesce(CAST(:as_of AS timestamptz)
+         - (SELECT p.empty_room_grace
+            FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+         CAST(:empty_cutoff AS timestamptz))
+
+-- fragment: provision_timeout_cutoff
+coalesce(CAST(:as_of AS timestamptz)
+         - (SELECT p.provision_timeout
+            FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+         CAST(:provision_cutoff AS timestamptz))
+
+-- fragment: stale_live_cutoff
+coalesce(CAST(:as_of AS timestamptz)
+         - (SELECT p.stale_live_timeout
+            FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
+         CAST(:stale_cutoff AS timestamptz))
+
+-- fragment: empty_room_rooms
+-- Each phase's rooms (alias s), written once for its claims, its batch
+-- candidates and reaper plan: the index range, to the widest cutoff (the
+-- header; :<phase>_range), then the room's own cutoff.
+s.status = 'Active' AND s.active_participant_count = 0
+AND s.last_activity_at <= CAST(:empty_range AS timestamptz)
+AND s.last_activity_at <=
+    -- include: empty_room_cutoff
+
+-- fragment: provision_timeout_rooms
+s.status = 'Provisioning'
+AND s.created_at <= CAST(:provision_range AS timestamptz)
+AND s.created_at <=
+    -- include: provision_timeout_cutoff
+
+-- fragment: stale_live_rooms
+-- (the phase runs after empty_room: the rooms that one closes are gone by then;
+-- a census and reaper plan leave them out themselves)
+s.status = 'Active'
+AND s.last_activity_at <= CAST(:stale_range AS timestamptz)
+AND s.last_activity_at <=
+    -- include: stale_live_cutoff
+
+-- fragment: batch_rooms
+-- The rooms of a phase's batch: the phase's own (:phase is a literal, so the
+-- planner keeps its branch alone, and the phase's partial index), less the
+-- ones left out (:excluded), and when isolating a poison row, these ids only
+-- (:only; NULL: any).
+CASE WHEN :phase = 'provision_timeout' THEN
+    -- include: provision_timeout_rooms
+WHEN :phase = 'empty_room' THEN
+    -- include: empty_room_rooms
+ELSE
+    -- include: stale_live_rooms
+END
+AND s.id <> ALL (CAST(:excluded AS uuid[]))
+AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
+
+-- fragment: claim
+-- A phase's batch (both phase statements): the rooms it would claim, the fence,
+-- the claim itself and the roster locks. visible is the same range without
+-- locks, for the rows a command holds (the 'locked' report). :phase is a
+-- literal: the planner keeps the phase's branch and order, on its partial index.
+visible AS (
     SELECT s.id
     FROM messenger.conference_sessions s
-    WHERE s.status = 'Active'
-      -- the index range, to the widest cutoff (the header)
-      AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
-      -- the room's own cutoff: its tenant's window, else the default
-      AND s.last_activity_at <= coalesce(
-              CAST(:as_of AS timestamptz)
-              - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
-                             ELSE p.stale_live_timeout END
-                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-              CAST(:cutoff AS timestamptz))
-      AND (s.active_participant_count = 0 OR NOT :require_empty)
-      AND s.id <> ALL (CAST(:excluded AS uuid[]))
-      -- isolating a row the database refuses: these ids only (NULL: any)
-      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
-    ORDER BY s.status, s.last_activity_at
+    WHERE
+        -- include: batch_rooms
+    ORDER BY CASE WHEN :phase = 'provision_timeout' THEN s.created_at
+                  ELSE s.last_activity_at END
     LIMIT :batch_size
 ),
 -- include: fence
 claimed AS (
     SELECT s.id, s.status, s.started_at, s.chat_id, s.deal_id, s.tenant_id
     FROM messenger.conference_sessions s
-    WHERE s.status = 'Active'
-      -- the index range, to the widest cutoff (the header)
-      AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
-      -- the room's own cutoff: its tenant's window, else the default
-      AND s.last_activity_at <= coalesce(
-              CAST(:as_of AS timestamptz)
-              - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
-                             ELSE p.stale_live_timeout END
-                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-              CAST(:cutoff AS timestamptz))
-      AND (s.active_participant_count = 0 OR NOT :require_empty)
-      AND s.id <> ALL (CAST(:excluded AS uuid[]))
-      -- isolating a row the database refuses: these ids only (NULL: any)
-      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
-      AND EXISTS (SELECT FROM fence)
-    ORDER BY s.status, s.last_activity_at
+    WHERE
+        -- include: batch_rooms
+        AND EXISTS (SELECT FROM fence)
+    ORDER BY CASE WHEN :phase = 'provision_timeout' THEN s.created_at
+                  ELSE s.last_activity_at END
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
 -- include: roster_locks
-ended AS (
-    UPDATE messenger.conference_sessions s
-    SET status = 'Ended',
-        end_reason = :end_reason,
-        ended_at = :as_of,
-        updated_at = :as_of,
-        -- NULL when started_at cannot give one (docs/design.md#anomalies): missing,
-        -- later than as_of, or so old (or infinite) the seconds do not fit an int.
-        -- Such a room is still stuck, and closed like any other.
-        duration_seconds = CASE
-            WHEN s.started_at IS NOT NULL AND isfinite(s.started_at)
-                 AND s.started_at <= :as_of
-                 AND s.started_at >= CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
-            THEN floor(extract(epoch FROM CAST(:as_of AS timestamptz) - s.started_at))::int
-        END,
-        active_participant_count = 0
-    -- The claim locked each row and checked the phase's conditions on its latest
-    -- version. The rows are reached by key from an array: joined to the CTE, the
-    -- planner (which cannot estimate a CTE) chose a hash join over every
-    -- candidate, or a nested loop quadratic in the batch. tests/test_query_plans.py
-    -- holds this.
-    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c
-                            WHERE c.id NOT IN (SELECT h.id FROM held h)))
-      AND s.status = 'Active'
-    RETURNING s.*
-),
+
+-- fragment: no_duration
+-- Why a room closed at :as_of gets no duration (docs/design.md#anomalies), or
+-- NULL: its started_at is missing, later than as_of, or so old (or infinite)
+-- the seconds do not fit an int. Such a room is still stuck, and closed like
+-- any other (alias s: the room).
+CASE WHEN s.started_at IS NULL THEN 'started_at is missing'
+     WHEN s.started_at > :as_of THEN 'started_at is later than as_of'
+     WHEN NOT isfinite(s.started_at)
+          OR s.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
+         THEN 'started_at too far in the past (duration out of range)'
+END
+
+-- fragment: close_roster
+-- The closed rooms' open roster rows (those roster_claimed locked: this update
+-- waits on no one) leave at as_of. Both phase statements; closed: their
+-- transition's CTE.
 roster AS (
     -- the rows roster_claimed locked: this update waits on no one
     UPDATE messenger.conference_participants p
     SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
     WHERE p.id = ANY (ARRAY(SELECT r.id FROM roster_claimed r
-                            WHERE r.conference_id IN (SELECT x.id FROM ended x)))
+                            WHERE r.conference_id IN (SELECT x.id FROM closed x)))
 ),
+
+-- fragment: batch_report
+-- The rest of a phase statement's result rows, after its 'reaped' rows (closed:
+-- its transition's CTE).
+UNION ALL
+-- claimed, yet the status guard refused the transition
+SELECT 'poison', c.id::text, c.chat_id::text, c.deal_id::text, NULL,
+       'refused by the status guard', c.tenant_id::text, NULL
+-- the claimed copy (the locked row's latest version): no second visit to the table
+FROM claimed c
+-- NOT IN (CTE): a hashed subplan; NOT EXISTS becomes a nested loop, quadratic in the batch
+WHERE c.id NOT IN (SELECT e.id FROM closed e)
+  AND c.id NOT IN (SELECT h.id FROM held h)
+UNION ALL
+-- claimed, but a command holds one of its open roster rows (skipped, not poison)
+SELECT 'held', h.id::text, NULL, NULL, NULL, NULL, NULL, NULL
+FROM held h
+UNION ALL
+SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
+FROM visible v
+-- Only a batch that comes back short looks for rows a command holds (the rows a
+-- phase leaves for the next cycle): while there is more to claim, the next batch
+-- meets them again. A one-time filter: a full batch never scans visible.
+WHERE (SELECT count(*) FROM claimed) < :batch_size
+  AND EXISTS (SELECT FROM fence)
+  AND v.id NOT IN (SELECT c.id FROM claimed c)
+UNION ALL
+-- fenced off: the batch changed nothing (runs.RunLost)
+SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT FROM fence)
+
+-- name: end_active_batch
+WITH
+-- include: claim
+closed AS (
+    UPDATE messenger.conference_sessions s
+    SET status = 'Ended',
+        end_reason = :end_reason,
+        ended_at = :as_of,
+        updated_at = :as_of,
+        -- NULL when started_at cannot give one (the fragment no_duration)
+        duration_seconds = CASE WHEN (
+                -- include: no_duration
+            ) IS NULL
+            THEN floor(extract(epoch FROM CAST(:as_of AS timestamptz) - s.started_at))::int
+        END,
+        active_participant_count = 0
+    -- The claim locked each row and checked the phase's conditions on its latest
+    -- version. The rows are reached by key from an array: joined to the CTE, the
+    -- planner (which cannot estimate a CTE) picks a hash join over every
+    -- candidate, or a nested loop quadratic in the batch. tests/test_query_plans.py
+    -- holds this.
+    WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c
+                            WHERE c.id NOT IN (SELECT h.id FROM held h)))
+      AND s.status = 'Active'
+    -- why it has no duration; its own cutoff (the lateness below)
+    RETURNING s.*,
+              -- include: no_duration
+              AS anomaly,
+              CASE WHEN :phase = 'empty_room' THEN
+                  -- include: empty_room_cutoff
+              ELSE
+                  -- include: stale_live_cutoff
+              END AS own_cutoff
+),
+-- include: close_roster
 -- Each ended room's recordings, read once (one probe of ix_recordings_conference):
 -- the latest one names the event's recording, the running ones get a stop signal.
 -- Referenced twice, so computed once. The volatile id in this CTE's target list:
@@ -307,7 +415,7 @@ roster AS (
 -- for the whole batch).
 ended_recordings AS (
     SELECT e.*, gen_random_uuid() AS event_id, rec.latest_id, rec.running_ids
-    FROM ended e
+    FROM closed e
     LEFT JOIN LATERAL (
         SELECT (array_agg(r.id ORDER BY r.created_at DESC, r.id DESC))[1] AS latest_id,
                array_agg(r.id) FILTER (
@@ -370,105 +478,33 @@ realtime AS (
                'conferenceId', e.id, 'chatId', e.chat_id, 'status', e.status,
                'endReason', e.end_reason, 'signal', 'Ended'),
            now()
-    FROM ended e
+    FROM closed e
 )
 -- lateness_seconds: from the moment the room became eligible (last_activity_at
--- + its own window: its tenant's, else the default, as_of - cutoff) to this
+-- + its own window, as_of - own_cutoff: its tenant's, else the default) to this
 -- statement, which commits right after: a queue wait or a late phase shows in
 -- it (the SLO's measure).
--- ids as text: parsing them into uuid.UUID and back was a tenth of the Python per room
+-- ids as text: parsing them into uuid.UUID and back costs a tenth of the Python per room
 SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id,
        e.deal_id::text AS deal_id, e.duration_seconds,
        -- an anomaly: why there is no duration (conference.anomaly)
-       CASE WHEN e.duration_seconds IS NULL THEN
-           CASE WHEN e.started_at IS NULL THEN 'started_at is missing'
-                WHEN e.started_at > :as_of THEN 'started_at is later than as_of'
-                ELSE 'started_at too far in the past (duration out of range)' END
-       END AS detail,
+       e.anomaly AS detail,
        e.tenant_id::text AS tenant_id,
        CASE WHEN isfinite(e.last_activity_at)
             THEN extract(epoch FROM clock_timestamp() - e.last_activity_at
-                         - coalesce((SELECT CASE WHEN :require_empty THEN p.empty_room_grace
-                                                 ELSE p.stale_live_timeout END
-                                     FROM messenger.reaper_tenant_policies p
-                                     WHERE p.tenant_id = e.tenant_id),
-                                    CAST(:as_of AS timestamptz) - CAST(:cutoff AS timestamptz)))
-                 ::float8
+                                    - (CAST(:as_of AS timestamptz) - e.own_cutoff))::float8
        END AS lateness_seconds
-FROM ended e
-UNION ALL
--- claimed, yet the status guard refused the transition
-SELECT 'poison', c.id::text, c.chat_id::text, c.deal_id::text, NULL,
-       'rejected by the status guard', c.tenant_id::text, NULL
--- the claimed copy (the locked row's latest version): no second visit to the table
-FROM claimed c
--- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
-WHERE c.id NOT IN (SELECT e.id FROM ended e)
-  AND c.id NOT IN (SELECT h.id FROM held h)
-UNION ALL
--- claimed, but a command holds one of its open roster rows (skipped, not poison)
-SELECT 'held', h.id::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM held h
-UNION ALL
-SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM visible v
--- Only a batch that comes back short looks for rows a command holds (the rows a
--- phase leaves for the next cycle): while there is more to claim, the next batch
--- meets them again. A one-time filter: a full batch never scans visible.
-WHERE (SELECT count(*) FROM claimed) < :batch_size
-  AND EXISTS (SELECT FROM fence)
-  AND v.id NOT IN (SELECT c.id FROM claimed c)
-UNION ALL
--- fenced off: the batch changed nothing (runs.RunLost)
-SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
-WHERE NOT EXISTS (SELECT FROM fence)
+FROM closed e
+-- include: batch_report
 UNION ALL
 SELECT 'stop', e.id::text, NULL, NULL, NULL, running.id::text, NULL, NULL
 FROM ended_recordings e
 CROSS JOIN LATERAL unnest(e.running_ids) AS running(id);
 
 -- name: fail_provisioning_batch
-WITH visible AS (
-    SELECT s.id
-    FROM messenger.conference_sessions s
-    WHERE s.status = 'Provisioning'
-      -- the index range, to the widest cutoff (the header)
-      AND s.created_at <= CAST(:range_cutoff AS timestamptz)
-      -- the room's own cutoff: its tenant's window, else the default
-      AND s.created_at <= coalesce(
-              CAST(:as_of AS timestamptz)
-              - (SELECT p.provision_timeout
-                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-              CAST(:cutoff AS timestamptz))
-      AND s.id <> ALL (CAST(:excluded AS uuid[]))
-      -- isolating a row the database refuses: these ids only (NULL: any)
-      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
-    ORDER BY s.created_at
-    LIMIT :batch_size
-),
--- include: fence
-claimed AS (
-    SELECT s.id, s.status
-    FROM messenger.conference_sessions s
-    WHERE s.status = 'Provisioning'
-      -- the index range, to the widest cutoff (the header)
-      AND s.created_at <= CAST(:range_cutoff AS timestamptz)
-      -- the room's own cutoff: its tenant's window, else the default
-      AND s.created_at <= coalesce(
-              CAST(:as_of AS timestamptz)
-              - (SELECT p.provision_timeout
-                 FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-              CAST(:cutoff AS timestamptz))
-      AND s.id <> ALL (CAST(:excluded AS uuid[]))
-      -- isolating a row the database refuses: these ids only (NULL: any)
-      AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
-      AND EXISTS (SELECT FROM fence)
-    ORDER BY s.created_at
-    LIMIT :batch_size
-    FOR UPDATE SKIP LOCKED
-),
--- include: roster_locks
-failed AS (
+WITH
+-- include: claim
+closed AS (
     UPDATE messenger.conference_sessions s
     SET status = 'Failed',
         end_reason = 'Error',
@@ -479,15 +515,12 @@ failed AS (
     WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c
                             WHERE c.id NOT IN (SELECT h.id FROM held h)))
       AND s.status = 'Provisioning'
-    RETURNING s.*
+    -- its own cutoff (the lateness below)
+    RETURNING s.*,
+              -- include: provision_timeout_cutoff
+              AS own_cutoff
 ),
-roster AS (
-    -- the rows roster_claimed locked: this update waits on no one
-    UPDATE messenger.conference_participants p
-    SET left_at = greatest(CAST(:as_of AS timestamptz), p.joined_at)
-    WHERE p.id = ANY (ARRAY(SELECT r.id FROM roster_claimed r
-                            WHERE r.conference_id IN (SELECT x.id FROM failed x)))
-),
+-- include: close_roster
 realtime AS (
     INSERT INTO messenger.realtime_outbox
         (kind, target_kind, chat_id, session_kind, conference_id, payload, created_at)
@@ -496,48 +529,22 @@ realtime AS (
                'conferenceId', f.id, 'chatId', f.chat_id, 'status', f.status,
                'endReason', f.end_reason, 'signal', 'Failed'),
            now()
-    FROM failed f
+    FROM closed f
 )
--- ids as text: parsing them into uuid.UUID and back was a tenth of the Python per room
+-- ids as text: parsing them into uuid.UUID and back costs a tenth of the Python per room
 SELECT 'reaped' AS kind, f.id::text AS conference_id, f.chat_id::text AS chat_id,
        f.deal_id::text AS deal_id, f.duration_seconds, NULL::text AS detail,
        f.tenant_id::text AS tenant_id,
        -- from created_at + its own window to this statement (see end_active_batch)
        CASE WHEN isfinite(f.created_at)
             THEN extract(epoch FROM clock_timestamp() - f.created_at
-                         - coalesce((SELECT p.provision_timeout
-                                     FROM messenger.reaper_tenant_policies p
-                                     WHERE p.tenant_id = f.tenant_id),
-                                    CAST(:as_of AS timestamptz) - CAST(:cutoff AS timestamptz)))
-                 ::float8
+                                    - (CAST(:as_of AS timestamptz) - f.own_cutoff))::float8
        END AS lateness_seconds
-FROM failed f
-UNION ALL
-SELECT 'poison', c.id::text, NULL, NULL, NULL, 'rejected by the status guard', NULL, NULL
-FROM claimed c
--- NOT IN (CTE): a hashed subplan; NOT EXISTS became a nested loop, quadratic in the batch
-WHERE c.id NOT IN (SELECT f.id FROM failed f)
-  AND c.id NOT IN (SELECT h.id FROM held h)
-UNION ALL
--- claimed, but a command holds one of its open roster rows (skipped, not poison)
-SELECT 'held', h.id::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM held h
-UNION ALL
-SELECT 'locked', v.id::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM visible v
--- Only a batch that comes back short looks for rows a command holds (the rows a
--- phase leaves for the next cycle): while there is more to claim, the next batch
--- meets them again. A one-time filter: a full batch never scans visible.
-WHERE (SELECT count(*) FROM claimed) < :batch_size
-  AND EXISTS (SELECT FROM fence)
-  AND v.id NOT IN (SELECT c.id FROM claimed c)
-UNION ALL
--- fenced off: the batch changed nothing (runs.RunLost)
-SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
-WHERE NOT EXISTS (SELECT FROM fence)
+FROM closed f
+-- include: batch_report
 UNION ALL
 SELECT 'stop', f.id::text, NULL, NULL, NULL, r.id::text, NULL, NULL
-FROM failed f
+FROM closed f
 -- OFFSET 0 keeps it a per-room lookup on ix_recordings_conference: flattened
 -- into a join, the planner may scan every recording for each batch
 CROSS JOIN LATERAL (
@@ -549,29 +556,13 @@ CROSS JOIN LATERAL (
 ) r;
 
 -- name: batch_candidates
--- The rows a phase's next batch would claim (its visible CTE: the same range and
--- the same per-tenant windows), not locked: a batch the database refused is
--- retried in halves of these, until the row it refuses is alone
--- (cycle.Reaper._batch).
+-- The rows a phase's next batch would claim (its visible CTE: the same rooms),
+-- not locked: a batch the database refused is retried in halves of these,
+-- until the row it refuses is alone (cycle.PhaseBatches._isolate).
 SELECT s.id::text
 FROM messenger.conference_sessions s
-WHERE s.id <> ALL (CAST(:excluded AS uuid[]))
-  AND ((:phase = 'provision_timeout' AND s.status = 'Provisioning'
-        AND s.created_at <= CAST(:range_cutoff AS timestamptz)
-        AND s.created_at <= coalesce(
-                CAST(:as_of AS timestamptz)
-                - (SELECT p.provision_timeout
-                   FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-                CAST(:cutoff AS timestamptz)))
-    OR (:phase <> 'provision_timeout' AND s.status = 'Active'
-        AND s.last_activity_at <= CAST(:range_cutoff AS timestamptz)
-        AND s.last_activity_at <= coalesce(
-                CAST(:as_of AS timestamptz)
-                - (SELECT CASE WHEN :require_empty THEN p.empty_room_grace
-                               ELSE p.stale_live_timeout END
-                   FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-                CAST(:cutoff AS timestamptz))
-        AND (s.active_participant_count = 0 OR NOT :require_empty)))
+WHERE
+    -- include: batch_rooms
 ORDER BY CASE WHEN :phase = 'provision_timeout' THEN s.created_at ELSE s.last_activity_at END
 LIMIT :batch_size;
 
@@ -811,10 +802,10 @@ SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-rea
 --   the widest cutoff is computed here, greatest(default cutoff, :as_of -
 --     (SELECT min(window) ...)): an InitPlan, unknown to the planner, which
 --     then estimates a third of the partial index and stays on it. Given as a
---     constant that covered most live rooms (a 1 h stale-live policy), the
---     planner chose a sequential scan of the whole table instead;
+--     constant that covers most live rooms (a 1 h stale-live policy), the
+--     planner picks a sequential scan of the whole table instead;
 --   the policies are joined (one hash of the small table) rather than probed
---     per row: a probe per row was ten times slower on a large backlog.
+--     per row: a probe per row is ten times slower on a large backlog.
 -- *_since: when the oldest one became eligible (its last_activity_at or
 -- created_at plus its own window).
 SELECT e.n AS empty_room, e.since AS empty_room_since,
@@ -847,85 +838,59 @@ FROM (SELECT count(*) AS n,
                  CAST(:as_of AS timestamptz) - CAST(:stale_cutoff AS timestamptz))) AS since
       FROM messenger.conference_sessions s
       LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
-      WHERE s.status = 'Active'
-        AND s.last_activity_at <= greatest(CAST(:stale_cutoff AS timestamptz),
-                CAST(:as_of AS timestamptz)
-                - (SELECT min(q.stale_live_timeout) FROM messenger.reaper_tenant_policies q))
-        AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.stale_live_timeout,
-                                           CAST(:stale_cutoff AS timestamptz))
+      WHERE
+        -- include: stale_live_counted
         AND (s.active_participant_count <> 0
              OR s.last_activity_at > coalesce(CAST(:as_of AS timestamptz) - p.empty_room_grace,
                                               CAST(:empty_cutoff AS timestamptz)))) l;
 
 -- name: plan_candidates
 -- reaper plan: the conferences of eligible_census (same predicates, same
--- phase assignment), oldest first, at most :per_phase per phase, each from its
--- phase's index range. tenant_window: the tenant's window that applies (NULL:
--- the default). anomaly: why the room will be closed without a duration
--- (end_active_batch's rules, docs/design.md#anomalies).
+-- phase assignment), in the phases' order (:phases), each phase's oldest first,
+-- at most :per_phase per phase, each from its phase's index range.
+-- tenant_window: the tenant's window that applies (NULL: the default).
+-- anomaly: why the room will be closed without a duration (no_duration).
 WITH candidates AS (
     (SELECT 'empty_room' AS phase, s.*
      FROM messenger.conference_sessions s
-     WHERE s.status = 'Active' AND s.active_participant_count = 0
-       AND s.last_activity_at <= CAST(:empty_range AS timestamptz)
-       AND s.last_activity_at <= coalesce(
-               CAST(:as_of AS timestamptz)
-               - (SELECT p.empty_room_grace
-                  FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-               CAST(:empty_cutoff AS timestamptz))
+     WHERE
+         -- include: empty_room_rooms
      ORDER BY s.last_activity_at, s.id
      LIMIT :per_phase)
     UNION ALL
     (SELECT 'provision_timeout' AS phase, s.*
      FROM messenger.conference_sessions s
-     WHERE s.status = 'Provisioning'
-       AND s.created_at <= CAST(:provision_range AS timestamptz)
-       AND s.created_at <= coalesce(
-               CAST(:as_of AS timestamptz)
-               - (SELECT p.provision_timeout
-                  FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-               CAST(:provision_cutoff AS timestamptz))
+     WHERE
+         -- include: provision_timeout_rooms
      ORDER BY s.created_at, s.id
      LIMIT :per_phase)
     UNION ALL
     (SELECT 'stale_live' AS phase, s.*
      FROM messenger.conference_sessions s
-     WHERE s.status = 'Active'
-       AND s.last_activity_at <= CAST(:stale_range AS timestamptz)
-       AND s.last_activity_at <= coalesce(
-               CAST(:as_of AS timestamptz)
-               - (SELECT p.stale_live_timeout
-                  FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-               CAST(:stale_cutoff AS timestamptz))
-       AND (s.active_participant_count <> 0
-            OR NOT s.last_activity_at <= coalesce(
-                          CAST(:as_of AS timestamptz)
-                          - (SELECT p.empty_room_grace
-                             FROM messenger.reaper_tenant_policies p
-                             WHERE p.tenant_id = s.tenant_id),
-                          CAST(:empty_cutoff AS timestamptz)))
+     WHERE
+         -- include: stale_live_rooms
+         -- less the rooms empty_room closes first
+         AND (s.active_participant_count <> 0
+              OR NOT s.last_activity_at <=
+                  -- include: empty_room_cutoff
+              )
      ORDER BY s.last_activity_at, s.id
      LIMIT :per_phase)
 )
-SELECT c.phase, c.id AS conference_id, c.chat_id, c.deal_id, c.tenant_id, c.status,
-       c.created_at, c.started_at, c.last_activity_at, c.active_participant_count,
-       (SELECT CASE c.phase WHEN 'empty_room' THEN p.empty_room_grace
+SELECT s.phase, s.id AS conference_id, s.chat_id, s.deal_id, s.tenant_id, s.status,
+       s.created_at, s.started_at, s.last_activity_at, s.active_participant_count,
+       (SELECT CASE s.phase WHEN 'empty_room' THEN p.empty_room_grace
                             WHEN 'provision_timeout' THEN p.provision_timeout
                             ELSE p.stale_live_timeout END
-        FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = c.tenant_id)
+        FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id)
            AS tenant_window,
-       CASE
-         WHEN c.phase = 'provision_timeout' THEN NULL
-         WHEN c.started_at IS NULL THEN 'started_at is missing'
-         WHEN c.started_at > :as_of THEN 'started_at is later than as_of'
-         WHEN NOT isfinite(c.started_at)
-              OR c.started_at < CAST(:as_of AS timestamptz) - interval '2147483647 seconds'
-             THEN 'started_at too far in the past (duration out of range)'
+       CASE WHEN s.phase <> 'provision_timeout' THEN
+           -- include: no_duration
        END AS anomaly
-FROM candidates c
-ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], c.phase),
-         CASE WHEN c.phase = 'provision_timeout' THEN c.created_at ELSE c.last_activity_at END,
-         c.id;
+FROM candidates s
+ORDER BY array_position(CAST(:phases AS text[]), s.phase),
+         CASE WHEN s.phase = 'provision_timeout' THEN s.created_at ELSE s.last_activity_at END,
+         s.id;
 
 -- name: backend_activity
 -- Who a backend pid is (reaper status: the lock holder).
@@ -940,7 +905,8 @@ WHERE a.pid = :pid;
 SELECT phase, reason, paused_at, paused_until, paused_by
 FROM messenger.reaper_pauses
 WHERE paused_until IS NULL OR paused_until > clock_timestamp()
-ORDER BY array_position(ARRAY['empty_room', 'provision_timeout', 'stale_live'], phase);
+-- in the phases' order (:phases, phases.ORDER)
+ORDER BY array_position(CAST(:phases AS text[]), phase);
 
 -- name: phase_pause
 -- Read by a phase under the run's lock: is it paused now, and why.
