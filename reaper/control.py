@@ -109,7 +109,7 @@ class Controls:
         for name, value in given.items():
             check_window(OPTIONS[name], value, floors(self.settings)[name])
         by = operator(self.settings)
-        seconds = {f"{name}_s": None for name in OPTIONS}
+        seconds: dict[str, float | None] = {f"{name}_s": None for name in OPTIONS}
         seconds.update({f"{name}_s": value.total_seconds() for name, value in given.items()})
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             row = queries.set_tenant_policy(tenant, **seconds, by=by)

@@ -154,21 +154,29 @@ def reap_batch(
     tenant windows (tenant_windows), read by the caller once per phase; read
     here, in the batch's transaction, when not given."""
     shortest = tenant_windows(queries) if shortest is None else shortest
-    common = {
-        "as_of": as_of,
-        "cutoff": phase.cutoff(settings, as_of),
-        "range_cutoff": phase.range_cutoff(settings, as_of, shortest),
-        "batch_size": settings.batch_size,
-        "excluded": excluded,
-        "only": only,
-        "run_id": run_id,
-        "holder_pid": holder_pid,
-    }
+    cutoff = phase.cutoff(settings, as_of)
+    range_cutoff = phase.range_cutoff(settings, as_of, shortest)
     if phase is PROVISION_TIMEOUT:
-        rows = queries.fail_provisioning_batch(**common)
+        rows = queries.fail_provisioning_batch(
+            as_of=as_of,
+            cutoff=cutoff,
+            range_cutoff=range_cutoff,
+            batch_size=settings.batch_size,
+            excluded=excluded,
+            only=only,
+            run_id=run_id,
+            holder_pid=holder_pid,
+        )
     else:
         rows = queries.end_active_batch(
-            **common,
+            as_of=as_of,
+            cutoff=cutoff,
+            range_cutoff=range_cutoff,
+            batch_size=settings.batch_size,
+            excluded=excluded,
+            only=only,
+            run_id=run_id,
+            holder_pid=holder_pid,
             require_empty=phase is EMPTY_ROOM,
             end_reason=phase.end_reason,
             topic=settings.conference_ended_topic,
