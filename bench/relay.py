@@ -26,7 +26,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from bench.seed import connect
+from bench.seed import connect, one_row
 from reaper.config import Settings
 from reaper.kafka import producer_config
 from reaper.traceids import traceparent
@@ -57,7 +57,7 @@ def fresh_backlog(url: str, count: int) -> int:
             "SELECT (SELECT count(*) FROM messenger.integration_outbox),"
             " (SELECT reltuples FROM pg_class WHERE relname = 'integration_outbox')"
         )
-        pending, reltuples = cur.fetchone()
+        pending, reltuples = one_row(cur)
     conn.close()
     if reltuples > 0:
         raise RuntimeError(f"the outbox's statistics say {reltuples} rows, not empty")
