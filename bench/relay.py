@@ -61,7 +61,7 @@ def fresh_backlog(url: str, count: int) -> int:
     conn.close()
     if reltuples > 0:
         raise RuntimeError(f"the outbox's statistics say {reltuples} rows, not empty")
-    return pending
+    return int(pending)
 
 
 def autovacuum_back(url: str) -> None:

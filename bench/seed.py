@@ -200,7 +200,7 @@ def connect(url: str) -> psycopg2.extensions.connection:
 
 def one_row(cur: psycopg2.extensions.cursor) -> tuple[Any, ...]:
     """The row of a statement that always returns one (a count, a function's result)."""
-    row = cur.fetchone()
+    row: tuple[Any, ...] | None = cur.fetchone()
     if row is None:
         raise RuntimeError(f"no row from {cur.query!r}")
     return row

@@ -165,7 +165,7 @@ def count(url: str, sql: str) -> int:
         cur.execute(sql)
         (found,) = one_row(cur)
     conn.close()
-    return found
+    return int(found)
 
 
 def realtime_rows(url: str) -> int:

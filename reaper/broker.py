@@ -95,7 +95,8 @@ class Channel(redis.Channel):
                 reason="the broker connection was lost; visibility_timeout redelivers them",
             )
             self._qos = None
-        super().close()
+        # kombu leaves Channel.close unannotated (celery-types' stubs annotate it)
+        super().close()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 class Transport(redis.Transport):

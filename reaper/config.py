@@ -115,7 +115,7 @@ COMPRESSION_PACKAGES = {"snappy": "python-snappy", "lz4": "lz4", "zstd": "zstand
 
 def compression_available(codec: str) -> bool:
     """Whether kafka-python can compress with ``codec`` in this installation."""
-    checks = {
+    checks: dict[str, Callable[[], bool]] = {
         "none": lambda: True,
         "gzip": kafka_codec.has_gzip,
         "snappy": kafka_codec.has_snappy,

@@ -251,7 +251,8 @@ class TenantPolicy:
         )
 
     def window(self, name: str) -> timedelta | None:
-        return getattr(self, name)
+        window: timedelta | None = getattr(self, name)
+        return window
 
     def seconds(self, name: str) -> float | None:
         window = self.window(name)

@@ -721,7 +721,8 @@ def serve(
                 [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
             )
             return [body]
-        return metrics_app(environ, start_response)
+        answer: list[bytes] = metrics_app(environ, start_response)
+        return answer
 
     server = _BoundedServer(address, port, app)
     log(logger, "metrics.serving", port=server.port, address=address,

@@ -35,7 +35,8 @@ class Phase:
 
     def window(self, settings: Settings) -> timedelta:
         """The default window; a tenant's policy replaces it for its conferences."""
-        return getattr(settings, self.window_name)
+        window: timedelta = getattr(settings, self.window_name)
+        return window
 
     def cutoff(self, settings: Settings, as_of: datetime) -> datetime:
         """The default cutoff: a conference of a tenant without a window of its own
