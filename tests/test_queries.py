@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+
 import pytest
 
+from reaper import queries as queries_module
 from reaper.queries import load, parse
 
 SOURCE = """
@@ -44,3 +48,33 @@ def test_the_phase_statements_share_one_fence_and_one_roster_lock() -> None:
         sql = queries[name].text
         assert sql.count("fence AS (") == 1 and sql.count("roster_claimed AS (") == 1
         assert "-- include:" not in sql
+
+
+def _runs_by_method() -> list[tuple[str, str, set[str]]]:
+    """``(method of Queries, query name, keyword arguments bound)`` for each
+    ``_run(self.conn, "name", key=...)`` call in the class."""
+    tree = ast.parse(inspect.getsource(queries_module.Queries))
+    runs = []
+    for method in ast.walk(tree):
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        for call in ast.walk(method):
+            if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "_run"):
+                continue
+            name = call.args[1]
+            assert isinstance(name, ast.Constant), f"{method.name} names its query at run time"
+            bound = {keyword.arg for keyword in call.keywords if keyword.arg is not None}
+            runs.append((method.name, name.value, bound))
+    return runs
+
+
+def test_every_named_query_has_one_method_that_binds_exactly_its_parameters() -> None:
+    """The type checker holds the callers to Queries' signatures; this holds the
+    methods to queries.sql: each runs a query that exists, binding the parameters
+    its text names and no others, and every query is run by one method."""
+    statements = load()
+    runs = _runs_by_method()
+    assert sorted(name for _, name, _ in runs) == sorted(statements)
+    for method, name, bound in runs:
+        expected = set(statements[name].compile().params)
+        assert bound == expected, f"Queries.{method} binds {sorted(bound)} for {name}"
