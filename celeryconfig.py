@@ -4,7 +4,7 @@ Loaded by ``reaper.celery_app``; an invalid environment stops the worker here,
 with one line naming the variable.
 """
 
-from kombu import Queue
+from kombu.entity import Queue
 
 from reaper import budgets
 from reaper.broker import install as install_broker_transport

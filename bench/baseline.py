@@ -11,7 +11,7 @@ import time
 import uuid
 from datetime import datetime, timedelta
 
-from bench.seed import connect
+from bench.seed import connect, one_row
 
 # The integration payload, exactly as docs/design.md#the-kafka-event (and the reaper) write it.
 _INTEGRATION = """
@@ -160,7 +160,7 @@ def drain(url: str, as_of: datetime, batch_size: int, topic: str) -> tuple[dict[
             total = 0
             while True:
                 cur.execute(statement, params)
-                (done,) = cur.fetchone()
+                (done,) = one_row(cur)
                 conn.commit()
                 total += done
                 if done < batch_size:

@@ -296,7 +296,7 @@ def make_pending(url: str) -> int:
             "UPDATE messenger.integration_outbox SET published_at = NULL, attempts = 0,"
             " last_error = NULL, next_attempt_at = NULL, parked_at = NULL"
         )
-        count = cur.rowcount
+        count: int = cur.rowcount
     conn.autocommit = True
     with conn.cursor() as cur:
         cur.execute("VACUUM (ANALYZE) messenger.integration_outbox")

@@ -13,8 +13,9 @@ import logging
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from bench.seed import connect
+from bench.seed import connect, one_row
 from reaper import logs, wiring
 from reaper.config import Settings
 from reaper.cycle import Reaper
@@ -48,11 +49,11 @@ SELECT
 """
 
 
-def outcome(url: str) -> tuple:
+def outcome(url: str) -> tuple[Any, ...]:
     conn = connect(url)
     with conn, conn.cursor() as cur:
         cur.execute(OUTCOME)
-        row = cur.fetchone()
+        row = one_row(cur)
     conn.close()
     return row
 

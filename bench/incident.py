@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.relay import timestamps
-from bench.seed import connect
+from bench.seed import connect, one_row
 from bench.worker import Worker, worker_env
 from tests.support.kafka import Tansu, create_topic
 
@@ -38,7 +38,7 @@ def progress(url: str) -> tuple[int, int, int]:
     conn = connect(url)
     with conn, conn.cursor() as cur:
         cur.execute(PROGRESS)
-        closed, events, pending = cur.fetchone()
+        closed, events, pending = one_row(cur)
     conn.close()
     return closed, events, pending
 
@@ -76,7 +76,7 @@ def run(url: str, workdir: Path, rooms: int, prepare: Callable[[], None]) -> dic
     conn = connect(url)
     with conn, conn.cursor() as cur:
         cur.execute(TIMES)
-        to_closed, to_kafka = (float(v) for v in cur.fetchone())
+        to_closed, to_kafka = (float(v) for v in one_row(cur))
     conn.close()
     return {
         "rooms": rooms,

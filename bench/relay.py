@@ -26,7 +26,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from bench.seed import connect
+from bench.seed import connect, one_row
 from reaper.config import Settings
 from reaper.kafka import producer_config
 from reaper.traceids import traceparent
@@ -57,11 +57,11 @@ def fresh_backlog(url: str, count: int) -> int:
             "SELECT (SELECT count(*) FROM messenger.integration_outbox),"
             " (SELECT reltuples FROM pg_class WHERE relname = 'integration_outbox')"
         )
-        pending, reltuples = cur.fetchone()
+        pending, reltuples = one_row(cur)
     conn.close()
     if reltuples > 0:
         raise RuntimeError(f"the outbox's statistics say {reltuples} rows, not empty")
-    return pending
+    return int(pending)
 
 
 def autovacuum_back(url: str) -> None:
@@ -106,7 +106,8 @@ def native_crc() -> bool:
     """Whether kafka-python computes record CRCs in C here (the ``crc32c`` package)."""
     from kafka.record import util
 
-    return util.crc32c_c is not None
+    # kafka-python's stubs leave out this module attribute (None without the package)
+    return util.crc32c_c is not None  # type: ignore[attr-defined, unused-ignore]
 
 
 def relay_once(url: str, bootstrap: str, topic: str, expected: int) -> dict[str, Any]:

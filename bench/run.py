@@ -145,7 +145,7 @@ def drain_figures(url: str, sizes: Sizes, as_of: datetime, raw: dict) -> list[Ro
     rows = []
     for batch_size in (100, 1000):
         best: dict[str, float] = {"reaper": 0.0, "baseline": 0.0}
-        outcomes = {}
+        outcomes: dict[str, tuple] = {}
         for attempt in range(sizes.repeats):
             # alternate who goes first, so neither always gets the warmer cache
             order = ("baseline", "reaper") if attempt % 2 == 0 else ("reaper", "baseline")

@@ -9,6 +9,7 @@ and inserts the copy again, then vacuums and analyzes.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import psycopg2
 from sqlalchemy import create_engine, make_url, text
@@ -193,8 +194,16 @@ def dsn(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def connect(url: str):
+def connect(url: str) -> psycopg2.extensions.connection:
     return psycopg2.connect(dsn(url), application_name="reaper-bench")
+
+
+def one_row(cur: psycopg2.extensions.cursor) -> tuple[Any, ...]:
+    """The row of a statement that always returns one (a count, a function's result)."""
+    row: tuple[Any, ...] | None = cur.fetchone()
+    if row is None:
+        raise RuntimeError(f"no row from {cur.query!r}")
+    return row
 
 
 def recreate(url: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from celery import Celery
 
-from bench.seed import connect
+from bench.seed import connect, one_row
 from tests.support.processes import children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,9 +163,9 @@ def count(url: str, sql: str) -> int:
     conn = connect(url)
     with conn, conn.cursor() as cur:
         cur.execute(sql)
-        (found,) = cur.fetchone()
+        (found,) = one_row(cur)
     conn.close()
-    return found
+    return int(found)
 
 
 def realtime_rows(url: str) -> int:

@@ -27,9 +27,9 @@ are idempotent.
 from __future__ import annotations
 
 import socket
+from importlib.metadata import version as installed_version
 from typing import TYPE_CHECKING, Any
 
-import kombu
 from kombu.transport import redis
 
 from reaper.budgets import KEEPALIVE_PROBES, Peer
@@ -44,7 +44,7 @@ logger = get_logger("broker")
 REPAIRED_VERSIONS = ((5, 5), (5, 8))
 
 
-def defect_expected(version: str = kombu.__version__) -> bool:
+def defect_expected(version: str = installed_version("kombu")) -> bool:
     major_minor = tuple(int(part) for part in version.split(".")[:2])
     first, last = REPAIRED_VERSIONS
     return first <= major_minor < last
@@ -91,18 +91,19 @@ class Channel(redis.Channel):
                 logger,
                 "broker.unacked_left_for_redelivery",
                 level=30,
-                count=len(self._qos._delivered),
+                count=len(self._qos._delivered or ()),
                 reason="the broker connection was lost; visibility_timeout redelivers them",
             )
             self._qos = None
-        super().close()
+        # kombu leaves Channel.close unannotated (celery-types' stubs annotate it)
+        super().close()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 class Transport(redis.Transport):
     Channel = Channel
 
 
-def install(version: str = kombu.__version__) -> bool:
+def install(version: str = installed_version("kombu")) -> bool:
     """Make ``redis://`` and ``rediss://`` broker URLs use :class:`Transport`, on the
     kombu versions that need it; True when it did.
 

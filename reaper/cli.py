@@ -499,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from reaper import wiring
 
     wiring.install(settings)
-    return args.handler(settings, args)
+    code: int = args.handler(settings, args)
+    return code
 
 
 if __name__ == "__main__":

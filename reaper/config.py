@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from functools import lru_cache
 from typing import Annotated, Literal
@@ -50,7 +51,7 @@ def _positive(value: timedelta) -> timedelta:
     return value
 
 
-def _url(*schemes: str):
+def _url(*schemes: str) -> Callable[[str], str]:
     def check(value: str) -> str:
         try:
             parts = urlsplit(value)
@@ -114,7 +115,7 @@ COMPRESSION_PACKAGES = {"snappy": "python-snappy", "lz4": "lz4", "zstd": "zstand
 
 def compression_available(codec: str) -> bool:
     """Whether kafka-python can compress with ``codec`` in this installation."""
-    checks = {
+    checks: dict[str, Callable[[], bool]] = {
         "none": lambda: True,
         "gzip": kafka_codec.has_gzip,
         "snappy": kafka_codec.has_snappy,

@@ -122,7 +122,7 @@ class Controls:
         for name, value in given.items():
             check_window(OPTIONS[name], value, floors(self.settings)[name])
         by = operator(self.settings)
-        seconds = {f"{name}_s": None for name in OPTIONS}
+        seconds: dict[str, float | None] = {f"{name}_s": None for name in OPTIONS}
         seconds.update({f"{name}_s": value.total_seconds() for name, value in given.items()})
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             row = queries.set_tenant_policy(tenant, **seconds, by=by)
@@ -263,7 +263,8 @@ class TenantPolicy:
         )
 
     def window(self, name: str) -> timedelta | None:
-        return getattr(self, name)
+        window: timedelta | None = getattr(self, name)
+        return window
 
     def seconds(self, name: str) -> float | None:
         window = self.window(name)

@@ -70,9 +70,11 @@ def _bounded_ping(conn: Connection) -> None:
     if conn.closed or conn.invalidated:
         return
     dbapi = conn.connection.dbapi_connection
+    if dbapi is None:  # no longer checked out of the pool: nothing to ping
+        return
     limit = budgets.FIRST_ANSWER.total_seconds()
     try:
-        with watchdog.bound(dbapi.fileno(), limit):  # type: ignore[union-attr]
+        with watchdog.bound(dbapi.fileno(), limit):
             conn.dialect.do_ping(dbapi)
     except WaitExceeded as exc:
         conn.invalidate()
@@ -199,6 +201,8 @@ def ensure_database(url: str, peer: Peer | None = None) -> bool:
     """Create the URL's database when it does not exist; True if it was created.
     ``peer`` bounds the connection (libpq), as for engine_for."""
     target = make_url(url)
+    if target.database is None:
+        raise ValueError("the database URL names no database")
     admin = create_engine(
         target.set(database="postgres"),
         isolation_level="AUTOCOMMIT",

@@ -110,7 +110,7 @@ class Check:
                 activity = queries.backend_activity(pid) if pid is not None else None
         except SQLAlchemyError:
             return None
-        holder = None
+        holder: dict[str, Any] | None = None
         if pid is not None:
             holder = {"pid": pid}
             if activity is not None:

@@ -583,7 +583,9 @@ class _BoundedServer:
     def __init__(self, address: str, port: int, app: Callable[..., Any]) -> None:
         # wsgiref's server binds and listens, and gives the handlers their WSGI
         # environment and app; its own loop (a thread per request) is not used.
-        self.wsgi = _Listener((address, port), _QuietHandler)
+        # _QuietHandler is built per request below, so the class the server is
+        # given is never instantiated.
+        self.wsgi = _Listener((address, port), WSGIRequestHandler)
         self.wsgi.set_app(app)
         self.listener = self.wsgi.socket
         self.listener.setblocking(False)
@@ -720,7 +722,8 @@ def serve(
                 [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
             )
             return [body]
-        return metrics_app(environ, start_response)
+        answer: list[bytes] = metrics_app(environ, start_response)
+        return answer
 
     server = _BoundedServer(address, port, app)
     log(logger, "metrics.serving", port=server.port, address=address,

@@ -138,8 +138,8 @@ def format_status(data: dict[str, Any]) -> str:
         detail = ", ".join(
             f"{k} {v}" for k, v in who.items() if v is not None and k != "transaction_age_seconds"
         )
-        age = who.get("transaction_age_seconds")
-        since = f", for {human(age)}" if age is not None else ""
+        held_for = who.get("transaction_age_seconds")
+        since = f", for {human(held_for)}" if held_for is not None else ""
         pid = lock["holder_pid"]
         lines.append(f"{'run lock':<18} held by backend pid {pid} ({detail}{since})")
     else:

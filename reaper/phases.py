@@ -43,7 +43,8 @@ class Phase:
 
     def window(self, settings: Settings) -> timedelta:
         """The default window; a tenant's policy replaces it for its conferences."""
-        return getattr(settings, self.window_name)
+        window: timedelta = getattr(settings, self.window_name)
+        return window
 
     def cutoff(self, settings: Settings, as_of: datetime) -> datetime:
         """The default cutoff: a conference of a tenant without a window of its own
@@ -185,21 +186,28 @@ def reap_batch(
     tenant windows (tenant_windows), read by the caller once per phase; read
     here, in the batch's transaction, when not given."""
     shortest = tenant_windows(queries) if shortest is None else shortest
-    common = {
-        "phase": phase.name,
-        "as_of": as_of,
-        "bounds": bounds(settings, as_of, shortest),
-        "batch_size": settings.batch_size,
-        "excluded": excluded,
-        "only": only,
-        "run_id": run_id,
-        "holder_pid": holder_pid,
-    }
+    cutoffs = bounds(settings, as_of, shortest)
     if phase is PROVISION_TIMEOUT:
-        rows = queries.fail_provisioning_batch(**common)
+        rows = queries.fail_provisioning_batch(
+            phase=phase.name,
+            as_of=as_of,
+            bounds=cutoffs,
+            batch_size=settings.batch_size,
+            excluded=excluded,
+            only=only,
+            run_id=run_id,
+            holder_pid=holder_pid,
+        )
     else:
         rows = queries.end_active_batch(
-            **common,
+            phase=phase.name,
+            as_of=as_of,
+            bounds=cutoffs,
+            batch_size=settings.batch_size,
+            excluded=excluded,
+            only=only,
+            run_id=run_id,
+            holder_pid=holder_pid,
             end_reason=phase.end_reason,
             topic=settings.conference_ended_topic,
         )

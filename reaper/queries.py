@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Row, TextClause, text
+from sqlalchemy import Connection, CursorResult, Row, TextClause, text
 
 from reaper.budgets import KEEPALIVE_PROBES, Budget
 
@@ -21,6 +21,10 @@ QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
 _HEADER = re.compile(r"^-- (?P<kind>name|fragment): (?P<name>[a-z_]+)\s*$", re.MULTILINE)
 _INCLUDE = re.compile(r"^[ \t]*-- include: (?P<name>[a-z_]+)[ \t]*$", re.MULTILINE)
 _LEADING_COMMENT = re.compile(r"\A(?:--[^\n]*\n)+")
+
+# A row of any query: its columns are the statement's, which the type checker
+# does not read.
+ResultRow = Row[*tuple[Any, ...]]
 
 
 def parse(source: str) -> dict[str, str]:
@@ -65,7 +69,7 @@ def load() -> dict[str, TextClause]:
     return {name: text(sql) for name, sql in parse(QUERIES_FILE.read_text()).items()}
 
 
-def _run(conn: Connection, name: str, **params: Any):
+def _run(conn: Connection, name: str, **params: Any) -> CursorResult[Any]:
     return conn.execute(load()[name], params)
 
 
@@ -89,7 +93,8 @@ class Queries:
         )
 
     def database_clock(self) -> datetime:
-        return _run(self.conn, "database_clock").scalar_one()
+        clock: datetime = _run(self.conn, "database_clock").scalar_one()
+        return clock
 
     # -- the run: lock and ownership -----------------------------------------
 
@@ -102,10 +107,10 @@ class Queries:
     def run_lock_holder(self) -> int | None:
         return _run(self.conn, "run_lock_holder").scalar()
 
-    def open_run(self) -> Row | None:
+    def open_run(self) -> ResultRow | None:
         return _run(self.conn, "open_run").one_or_none()
 
-    def close_run(self, run_id: str, outcome: str | None = None) -> Row | None:
+    def close_run(self, run_id: str, outcome: str | None = None) -> ResultRow | None:
         return _run(self.conn, "close_run", run_id=run_id, outcome=outcome).one_or_none()
 
     def insert_run(
@@ -131,13 +136,13 @@ class Queries:
         ).one_or_none()
         return inserted is not None
 
-    def run_for_phase(self, run_id: str, phase: str) -> Row | None:
+    def run_for_phase(self, run_id: str, phase: str) -> ResultRow | None:
         return _run(self.conn, "run_for_phase", run_id=run_id, phase=phase).one_or_none()
 
     def run_heartbeat(self) -> None:
         _run(self.conn, "run_heartbeat")
 
-    def run_state(self, run_id: str) -> Row | None:
+    def run_state(self, run_id: str) -> ResultRow | None:
         return _run(self.conn, "run_state", run_id=run_id).one_or_none()
 
     def save_run(
@@ -190,7 +195,7 @@ class Queries:
     def delete_old_runs(self, keep_s: float) -> int:
         return _run(self.conn, "delete_old_runs", keep_s=keep_s).rowcount
 
-    def last_runs(self) -> list[Row]:
+    def last_runs(self) -> list[ResultRow]:
         return list(_run(self.conn, "last_runs"))
 
     # A phase statement selects the rooms of ``phase`` by ``bounds``: every
@@ -209,7 +214,7 @@ class Queries:
         run_id: str,
         holder_pid: int,
         topic: str,
-    ) -> list[Row]:
+    ) -> list[ResultRow]:
         return list(
             _run(
                 self.conn,
@@ -238,7 +243,7 @@ class Queries:
         only: list[str] | None,
         run_id: str,
         holder_pid: int,
-    ) -> list[Row]:
+    ) -> list[ResultRow]:
         return list(
             _run(
                 self.conn,
@@ -281,10 +286,10 @@ class Queries:
         row = _run(
             self.conn, "stale_live_eligible", as_of=as_of, stale_cutoff=cutoff, excluded=excluded
         )
-        return int(row.scalar())
+        return int(row.scalar_one())
 
     def active_count(self) -> int:
-        return int(_run(self.conn, "active_count").scalar())
+        return int(_run(self.conn, "active_count").scalar_one())
 
     def mark_stop_requested(self, recording_ids: list[str]) -> int:
         return _run(self.conn, "mark_stop_requested", recording_ids=recording_ids).rowcount
@@ -300,7 +305,7 @@ class Queries:
             backoff_max_s=backoff_max_s,
         ).rowcount
 
-    def claim_stops_due(self, *, window_s: float, lease_s: float, limit: int) -> list[Row]:
+    def claim_stops_due(self, *, window_s: float, lease_s: float, limit: int) -> list[ResultRow]:
         return list(
             _run(self.conn, "claim_stops_due", window_s=window_s, lease_s=lease_s, limit=limit)
         )
@@ -319,7 +324,7 @@ class Queries:
     def relay_planner(self) -> None:
         _run(self.conn, "relay_planner")
 
-    def claim_outbox_batch(self, batch_size: int) -> list[Row]:
+    def claim_outbox_batch(self, batch_size: int) -> list[ResultRow]:
         return list(_run(self.conn, "claim_outbox_batch", batch_size=batch_size))
 
     def mark_outbox_published(self, ids: list[int]) -> int:
@@ -358,7 +363,7 @@ class Queries:
         row = _run(self.conn, "outbox_pending_stats").one()
         return int(row.pending), float(row.oldest_age_seconds), int(row.parked)
 
-    def parked_outbox(self, limit: int) -> list[Row]:
+    def parked_outbox(self, limit: int) -> list[ResultRow]:
         return list(_run(self.conn, "parked_outbox", limit=limit))
 
     def requeue_outbox(self, event_id: str | None) -> int:
@@ -366,12 +371,13 @@ class Queries:
         return _run(self.conn, "requeue_outbox", event_id=event_id).rowcount
 
     def delete_published_outbox(self, retention: timedelta, batch_size: int) -> int:
-        return _run(
+        deleted = _run(
             self.conn,
             "delete_published_outbox",
             retention_s=retention.total_seconds(),
             batch_size=batch_size,
         ).scalar_one()
+        return int(deleted)
 
     def try_relay_lock(self) -> bool:
         return bool(_run(self.conn, "try_relay_lock").scalar())
@@ -385,7 +391,7 @@ class Queries:
         empty_cutoff: datetime,
         provision_cutoff: datetime,
         stale_cutoff: datetime,
-    ) -> Row:
+    ) -> ResultRow:
         return _run(
             self.conn,
             "eligible_census",
@@ -407,7 +413,7 @@ class Queries:
         stale_range: datetime,
         per_phase: int,
         phases: Sequence[str],
-    ) -> list[Row]:
+    ) -> list[ResultRow]:
         return list(
             _run(
                 self.conn,
@@ -424,12 +430,12 @@ class Queries:
             )
         )
 
-    def backend_activity(self, pid: int) -> Row | None:
+    def backend_activity(self, pid: int) -> ResultRow | None:
         return _run(self.conn, "backend_activity", pid=pid).one_or_none()
 
     # -- operator controls ------------------------------------------------------
 
-    def active_pauses(self, phases: Sequence[str]) -> list[Row]:
+    def active_pauses(self, phases: Sequence[str]) -> list[ResultRow]:
         """``phases``: every phase, in the order to list them (phases.ORDER)."""
         return list(_run(self.conn, "active_pauses", phases=list(phases)))
 
@@ -437,10 +443,10 @@ class Queries:
         """The reason the phase is paused now, or None."""
         return _run(self.conn, "phase_pause", phase=phase).scalar()
 
-    def pause_phase(self, phase: str, reason: str, for_s: float | None, by: str) -> Row:
+    def pause_phase(self, phase: str, reason: str, for_s: float | None, by: str) -> ResultRow:
         return _run(self.conn, "pause_phase", phase=phase, reason=reason, for_s=for_s, by=by).one()
 
-    def resume_phases(self, phases: list[str]) -> list[Row]:
+    def resume_phases(self, phases: list[str]) -> list[ResultRow]:
         return list(_run(self.conn, "resume_phases", phases=phases))
 
     def set_tenant_policy(
@@ -451,7 +457,7 @@ class Queries:
         provision_timeout_s: float | None,
         stale_live_timeout_s: float | None,
         by: str,
-    ) -> Row:
+    ) -> ResultRow:
         """The given windows merged into the tenant's policy; the row as stored."""
         return _run(
             self.conn,
@@ -463,22 +469,22 @@ class Queries:
             by=by,
         ).one()
 
-    def unset_tenant_policy(self, tenant_id: str) -> Row | None:
+    def unset_tenant_policy(self, tenant_id: str) -> ResultRow | None:
         """The removed policy, or None when the tenant had none."""
         return _run(self.conn, "unset_tenant_policy", tenant_id=tenant_id).one_or_none()
 
-    def tenant_window_bounds(self) -> Row:
+    def tenant_window_bounds(self) -> ResultRow:
         return _run(self.conn, "tenant_window_bounds").one()
 
-    def tenant_policies(self) -> list[Row]:
+    def tenant_policies(self) -> list[ResultRow]:
         return list(_run(self.conn, "tenant_policies"))
 
     def tenant_policy_count(self) -> int:
-        return int(_run(self.conn, "tenant_policy_count").scalar())
+        return int(_run(self.conn, "tenant_policy_count").scalar_one())
 
     # -- health -------------------------------------------------------------------
 
-    def last_run_completed(self) -> Row | None:
+    def last_run_completed(self) -> ResultRow | None:
         """``finished_at`` and ``age_seconds`` of the last completed run, or None."""
         return _run(self.conn, "last_run_completed").one_or_none()
 
@@ -488,6 +494,6 @@ class Queries:
         """Active conferences whose last_activity_at is later than ``ahead_of``."""
         return int(_run(self.conn, "activity_ahead_count", ahead_of=ahead_of).scalar_one())
 
-    def activity_ahead(self, now: datetime, ahead_of: datetime, limit: int) -> list[Row]:
+    def activity_ahead(self, now: datetime, ahead_of: datetime, limit: int) -> list[ResultRow]:
         """Those conferences, the furthest ahead first (reaper plan)."""
         return list(_run(self.conn, "activity_ahead", now=now, ahead_of=ahead_of, limit=limit))

@@ -476,15 +476,25 @@ class Relay:
             queries.mark_outbox_published(report.published)
         if report.refused:
             queries.mark_outbox_parked(report.refused)
-        backoff = {
-            "backoff_initial_s": self.settings.relay_backoff_initial.total_seconds(),
-            "backoff_max_s": self.settings.relay_backoff_max.total_seconds(),
-            "max_attempts": self.settings.relay_max_attempts,
-        }
+        initial_s = self.settings.relay_backoff_initial.total_seconds()
+        max_s = self.settings.relay_backoff_max.total_seconds()
+        attempts = self.settings.relay_max_attempts
         if report.unreached:  # an outage of Kafka never parks a row
-            queries.mark_outbox_failed(report.unreached, charged=False, **backoff)
+            queries.mark_outbox_failed(
+                report.unreached,
+                charged=False,
+                backoff_initial_s=initial_s,
+                backoff_max_s=max_s,
+                max_attempts=attempts,
+            )
         if report.failures:
-            parked = queries.mark_outbox_failed(report.failures, charged=True, **backoff)
+            parked = queries.mark_outbox_failed(
+                report.failures,
+                charged=True,
+                backoff_initial_s=initial_s,
+                backoff_max_s=max_s,
+                max_attempts=attempts,
+            )
             report.out_of_attempts = len(parked)
             if parked:
                 log(

@@ -264,16 +264,16 @@ class PhaseClaim:
     def release(self) -> str | None:
         self.heartbeat.stop()
         run = self.run
-        totals = {
-            "counts": json.dumps(run.counts),
-            "excluded": run.excluded,
-            "blocked": run.blocked,
-            "paused": run.paused,
-            "errors": run.errors,
-        }
+        counts = json.dumps(run.counts)
         try:
             Queries(self.conn).save_run(
-                run.run_id, **totals, lease_s=self.settings.run_lease.total_seconds()
+                run.run_id,
+                counts=counts,
+                excluded=run.excluded,
+                blocked=run.blocked,
+                paused=run.paused,
+                errors=run.errors,
+                lease_s=self.settings.run_lease.total_seconds(),
             )
             self.transaction.commit()
             return None
@@ -283,7 +283,14 @@ class PhaseClaim:
             self.conn.close()
         try:  # the lock is gone with its session; what the batches committed stays
             with transaction(self.engine, budgets.quick(self.settings)) as queries:
-                queries.save_run_totals(run.run_id, **totals)
+                queries.save_run_totals(
+                    run.run_id,
+                    counts=counts,
+                    excluded=run.excluded,
+                    blocked=run.blocked,
+                    paused=run.paused,
+                    errors=run.errors,
+                )
         except SQLAlchemyError:
             pass  # the database itself is the failure: the lost lock is told
         return lost
@@ -389,7 +396,7 @@ class Runs:
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             row = queries.close_run(run_id)
             lost = row is None
-            if lost:
+            if row is None:
                 row = queries.run_state(run_id)
                 if row is None:
                     raise ValueError(f"no run {run_id}")

@@ -152,7 +152,7 @@ def _conference_spans(fact: BatchSelected) -> None:
     context = _remote(fact.run_id, phase_span_id_for(fact.run_id, fact.phase))
     common = {"correlationId": fact.run_id, "reaper.phase": fact.phase}
     for item in fact.reaped:
-        attributes = {
+        attributes: dict[str, str | float] = {
             **common,
             "conference_id": item.conference_id,
             "chat_id": item.chat_id,

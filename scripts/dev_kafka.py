@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     down.add_argument("--timeout", type=float, default=10.0)
     down.set_defaults(handler=stop)
     args = parser.parse_args(argv)
-    return args.handler(args)
+    code: int = args.handler(args)
+    return code
 
 
 if __name__ == "__main__":

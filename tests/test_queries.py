@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 from pathlib import Path
 
 import pytest
 
+from reaper import queries as queries_module
 from reaper.queries import load, parse
 
 SOURCE = """
@@ -74,3 +77,33 @@ def test_each_phase_statement_writes_each_phases_rooms_once() -> None:
         assert sql.count("\nvisible AS (") == 1 and sql.count("\nclaimed AS (") == 1
         assert sql.count("CAST(:stale_range AS timestamptz)") == 2
         assert sql.count("roster AS (") == 1 and sql.count("SELECT 'fenced'") == 1
+
+
+def _runs_by_method() -> list[tuple[str, str, set[str]]]:
+    """``(method of Queries, query name, keyword arguments bound)`` for each
+    ``_run(self.conn, "name", key=...)`` call in the class."""
+    tree = ast.parse(inspect.getsource(queries_module.Queries))
+    runs = []
+    for method in ast.walk(tree):
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        for call in ast.walk(method):
+            if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "_run"):
+                continue
+            name = call.args[1]
+            assert isinstance(name, ast.Constant), f"{method.name} names its query at run time"
+            bound = {keyword.arg for keyword in call.keywords if keyword.arg is not None}
+            runs.append((method.name, name.value, bound))
+    return runs
+
+
+def test_every_named_query_has_one_method_that_binds_exactly_its_parameters() -> None:
+    """The type checker holds the callers to Queries' signatures; this holds the
+    methods to queries.sql: each runs a query that exists, binding the parameters
+    its text names and no others, and every query is run by one method."""
+    statements = load()
+    runs = _runs_by_method()
+    assert sorted(name for _, name, _ in runs) == sorted(statements)
+    for method, name, bound in runs:
+        expected = set(statements[name].compile().params)
+        assert bound == expected, f"Queries.{method} binds {sorted(bound)} for {name}"

@@ -43,7 +43,8 @@ class Record:
 
     @property
     def event_id(self) -> str:
-        return self.value["eventId"]
+        event_id: str = self.value["eventId"]
+        return event_id
 
 
 def read_topic(

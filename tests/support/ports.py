@@ -17,7 +17,8 @@ def reachable(host: str, port: int) -> bool:
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def wait_for_port(port: int, timeout: float = 20.0) -> None:
