@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ast
 import inspect
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from reaper import queries as queries_module
+from reaper.config import Settings
+from reaper.phases import bounds
 from reaper.queries import load, parse
 
 SOURCE = """
@@ -79,6 +82,9 @@ def test_each_phase_statement_writes_each_phases_rooms_once() -> None:
         assert sql.count("roster AS (") == 1 and sql.count("SELECT 'fenced'") == 1
 
 
+BOUNDS = set(bounds(Settings(), datetime.now(UTC), {}))
+
+
 def _runs_by_method() -> list[tuple[str, str, set[str]]]:
     """``(method of Queries, query name, keyword arguments bound)`` for each
     ``_run(self.conn, "name", key=...)`` call in the class."""
@@ -93,6 +99,12 @@ def _runs_by_method() -> list[tuple[str, str, set[str]]]:
             name = call.args[1]
             assert isinstance(name, ast.Constant), f"{method.name} names its query at run time"
             bound = {keyword.arg for keyword in call.keywords if keyword.arg is not None}
+            for keyword in call.keywords:
+                # ``**bounds``: every phase's cutoff and range end, as phases.bounds
+                # names them; any other mapping would hide what the query binds
+                if keyword.arg is None:
+                    assert ast.unparse(keyword.value) == "bounds", f"{method.name} binds a mapping"
+                    bound |= BOUNDS
             runs.append((method.name, name.value, bound))
     return runs
 
