@@ -27,10 +27,10 @@ from sqlalchemy import Engine, text
 from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from reaper.events import Bus, RelayBatchCommitted
+from reaper.events import Bus, RelayBatchCommitted, process_bus
 from reaper.kafka import ProducerSlot, producer_config
 from reaper.queries import Queries
-from reaper.relay import Relay
+from reaper.relay import Relay, RelayBatches
 from reaper.traceids import cycle_span_id_for
 from tests.conftest import ROOT, free_port
 from tests.support import factory as f
@@ -680,7 +680,7 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
     brokers are connected but know no partition of the topic (as Kafka answers with
     allow_auto_create_topics off)."""
     caplog.set_level(logging.INFO, "reaper")
-    relay = make_relay(rsettings, engine, producers)
+    batches = RelayBatches(rsettings, engine, producers.slot(rsettings), process_bus)
     missing = f"never.created.{uuid.uuid4().hex[:6]}"
 
     class Connected:
@@ -694,7 +694,7 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
 
     topics = (missing, rsettings.conference_ended_topic)
     rows = [type("OutboxRow", (), {"topic": t})() for t in topics]
-    relay._log_unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Connected())
+    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Connected())
     [line] = log_events(caplog, "relay.topic_missing")
     assert line["topic"] == missing and missing in line["reason"]
     assert not log_events(caplog, "relay.kafka_unavailable")
@@ -703,7 +703,7 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
         def bootstrap_connected(self) -> bool:
             return False
 
-    relay._log_unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Unreachable())
+    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Unreachable())
     assert len(log_events(caplog, "relay.kafka_unavailable")) == 1
 
 
