@@ -328,7 +328,8 @@ class OutboxRequeued:
 @dataclass
 class RelayResult:
     """A relay pass's totals: what the pass adds up (reaper.relay) and emits, as it is,
-    in :class:`RelayPassCompleted`; its JSON is the task's result."""
+    in :class:`RelayPassCompleted` (nothing changes it after that); its JSON is the
+    task's result."""
 
     published: int = 0
     failed: int = 0  # will be tried again, after a back-off
