@@ -32,7 +32,13 @@ from reaper.events import (
     PhaseFailed,
     PhaseMassClosure,
     RecorderPassCompleted,
+    RelayBatchCommitted,
+    RelayCloseFailed,
+    RelayDbFailed,
+    RelayKafkaUnavailable,
     RelayPassCompleted,
+    RelayRetentionDeleted,
+    RelayTopicMissing,
 )
 from reaper.logs import get_logger, log
 
@@ -63,6 +69,12 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(PhaseCompleted, phase_completed)
     bus.subscribe(PhaseFailed, phase_failed)
     bus.subscribe(LockLost, lock_lost)
+    bus.subscribe(RelayBatchCommitted, relay_batch)
+    bus.subscribe(RelayKafkaUnavailable, relay_kafka_unavailable)
+    bus.subscribe(RelayTopicMissing, relay_topic_missing)
+    bus.subscribe(RelayDbFailed, relay_db_failed)
+    bus.subscribe(RelayCloseFailed, relay_close_failed)
+    bus.subscribe(RelayRetentionDeleted, relay_retention_deleted)
     bus.subscribe(RelayPassCompleted, relay_pass)
     bus.subscribe(ControlPaused, paused)
     bus.subscribe(ControlResumed, resumed)
@@ -232,23 +244,60 @@ def lock_lost(fact: LockLost) -> None:
         error=fact.error)  # fmt: skip
 
 
+def relay_batch(fact: RelayBatchCommitted) -> None:
+    if fact.published:
+        log(relay_logger, "relay.published", count=fact.published, claimed=fact.claimed)
+    if fact.failures:
+        log(relay_logger, "relay.batch_failed", level=logging.WARNING, failed=fact.failures,
+            claimed=fact.claimed, error=fact.error)  # fmt: skip
+    if fact.out_of_attempts:
+        log(relay_logger, "relay.out_of_attempts", level=logging.ERROR,
+            parked=fact.out_of_attempts, max_attempts=fact.max_attempts)  # fmt: skip
+
+
+def relay_kafka_unavailable(fact: RelayKafkaUnavailable) -> None:
+    log(relay_logger, "relay.kafka_unavailable", level=logging.ERROR,
+        bootstrap_servers=fact.bootstrap_servers, error=fact.error, rows=fact.rows)  # fmt: skip
+
+
+def relay_topic_missing(fact: RelayTopicMissing) -> None:
+    log(relay_logger, "relay.topic_missing", level=logging.ERROR, topic=fact.topic,
+        reason=f"Kafka has no topic {fact.topic!r}; create it (the relay never does)")  # fmt: skip
+
+
+def relay_db_failed(fact: RelayDbFailed) -> None:
+    log(relay_logger, "relay.db_failed", level=logging.ERROR, error=fact.error)
+
+
+def relay_close_failed(fact: RelayCloseFailed) -> None:
+    log(relay_logger, "relay.close_failed", level=logging.ERROR, error=fact.error)
+
+
+def relay_retention_deleted(fact: RelayRetentionDeleted) -> None:
+    log(relay_logger, "relay.retention_deleted", count=fact.count, cutoff=fact.cutoff)
+
+
 def relay_pass(fact: RelayPassCompleted) -> None:
-    if fact.skipped:
+    result = fact.result
+    if result.skipped:
         log(relay_logger, "relay.skipped", reason="another relay pass is running")
         return
+    if result.timed_out:
+        # the batches in flight rolled back: their rows go again next pass
+        log(relay_logger, "relay.time_limit", level=logging.WARNING, published=result.published)
     log(
         relay_logger,
         "relay.completed",
-        published=fact.published,
-        failed=fact.failed,
-        parked=fact.parked,
-        held_back=fact.held_back,
-        pending=fact.pending,
-        oldest_pending_age_seconds=round(fact.oldest_pending_age_seconds, 3),
-        outbox_parked=fact.outbox_parked,
-        deleted=fact.deleted,
-        kafka_unavailable=fact.kafka_unavailable,
-        timed_out=fact.timed_out,
+        published=result.published,
+        failed=result.failed,
+        parked=result.parked,
+        held_back=result.held_back,
+        pending=result.pending,
+        oldest_pending_age_seconds=round(result.oldest_pending_age_seconds, 3),
+        outbox_parked=result.outbox_parked,
+        deleted=result.deleted,
+        kafka_unavailable=result.kafka_unavailable,
+        timed_out=result.timed_out,
         duration_ms=fact.duration_ms,
     )
 

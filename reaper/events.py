@@ -341,25 +341,83 @@ class OutboxRequeued:
 # -- the relay --------------------------------------------------------------------
 
 
+@dataclass
+class RelayResult:
+    """A relay pass's totals: what the pass adds up (reaper.relay) and emits, as it is,
+    in :class:`RelayPassCompleted` (nothing changes it after that); its JSON is the
+    task's result."""
+
+    published: int = 0
+    failed: int = 0  # will be tried again, after a back-off
+    parked: int = 0  # refused for good, or out of attempts, in this pass
+    held_back: int = 0
+    pending: int = 0  # the outbox after the pass
+    oldest_pending_age_seconds: float = 0.0
+    outbox_parked: int = 0
+    deleted: int = 0
+    kafka_unavailable: bool = False
+    database_failed: bool = False
+    skipped: bool = False  # another relay's pass was running
+    timed_out: bool = False  # Celery's soft time limit ended it
+
+    def to_json(self) -> dict[str, Any]:
+        """The task's result and ``reaper relay --once``'s (docs/design.md#tasks)."""
+        return {
+            "published": self.published,
+            "failed": self.failed,
+            "parked": self.parked,
+            "pending": self.pending,
+        }
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayBatchCommitted:
     claimed: int
     published: int
     failed: int
     parked: int
+    # of the failures charged an attempt: the first one's error (None: none failed)
+    error: str | None = None
+    failures: int = 0
+    out_of_attempts: int = 0  # of the parked, parked for having no attempt left
+    max_attempts: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayKafkaUnavailable:
+    """A batch found Kafka unreachable: its rows not yet sent are backed off uncharged."""
+
+    bootstrap_servers: str
+    error: str
+    rows: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayTopicMissing:
+    """The brokers answer but know no partition of the topic (the relay never creates one)."""
+
+    topic: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayDbFailed:
+    error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayCloseFailed:
+    """Awaiting and marking a batch failed other than by the database."""
+
+    error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RelayRetentionDeleted:
+    count: int
+    cutoff: datetime  # this process's view; the database compares by its own clock
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayPassCompleted:
-    published: int
-    failed: int  # will be tried again, after a back-off
-    parked: int  # refused for good, or out of attempts, in this pass
-    held_back: int
-    pending: int  # the outbox now
-    oldest_pending_age_seconds: float
-    outbox_parked: int
-    deleted: int
-    kafka_unavailable: bool
-    skipped: bool
-    timed_out: bool
+    result: RelayResult
     duration_ms: int

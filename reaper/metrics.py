@@ -429,8 +429,9 @@ def _relay_batch(fact: RelayBatchCommitted) -> None:
 
 
 def _relay_pass(fact: RelayPassCompleted) -> None:
-    _set_outbox(_m(), fact.pending, fact.oldest_pending_age_seconds, fact.outbox_parked)
-    if not fact.skipped:
+    result = fact.result
+    _set_outbox(_m(), result.pending, result.oldest_pending_age_seconds, result.outbox_parked)
+    if not result.skipped:
         _m().last_relay.set(time.time())
 
 

@@ -54,7 +54,18 @@ from reaper import budgets
 from reaper.config import Settings
 from reaper.db import begin, engine_of, transaction
 from reaper.errors import describe
-from reaper.events import Bus, RelayBatchCommitted, RelayPassCompleted, process_bus
+from reaper.events import (
+    Bus,
+    RelayBatchCommitted,
+    RelayCloseFailed,
+    RelayDbFailed,
+    RelayKafkaUnavailable,
+    RelayPassCompleted,
+    RelayResult,
+    RelayRetentionDeleted,
+    RelayTopicMissing,
+    process_bus,
+)
 from reaper.kafka import ProducerSlot, process_slot
 from reaper.logs import get_logger, log
 from reaper.queries import Queries
@@ -96,39 +107,6 @@ def breaks_the_producer(exc: BaseException) -> bool:
 
 
 @dataclass
-class RelayResult:
-    published: int = 0
-    failed: int = 0
-    parked: int = 0
-    held_back: int = 0
-    pending: int = 0
-    oldest_pending_age_seconds: float = 0.0
-    outbox_parked: int = 0
-    deleted: int = 0
-    kafka_unavailable: bool = False
-    database_failed: bool = False
-    skipped: bool = False
-    timed_out: bool = False
-
-    def add(self, report: BatchReport) -> None:
-        """A settled batch's part of the pass: the one place totals are added up."""
-        self.published += len(report.published)
-        self.failed += len(report.failures) + len(report.unreached) - report.out_of_attempts
-        self.parked += len(report.refused) + report.out_of_attempts
-        self.held_back += report.held_back
-        self.kafka_unavailable = self.kafka_unavailable or report.unavailable is not None
-
-    def to_json(self) -> dict[str, Any]:
-        """The task's result and ``reaper relay --once``'s (docs/design.md#tasks)."""
-        return {
-            "published": self.published,
-            "failed": self.failed,
-            "parked": self.parked,
-            "pending": self.pending,
-        }
-
-
-@dataclass
 class BatchReport:
     claimed: int = 0
     published: list[int] = field(default_factory=list)
@@ -140,6 +118,14 @@ class BatchReport:
     held_back: int = 0
     unavailable: BaseException | None = None
     producer_broken: bool = False
+
+    def add_to(self, result: RelayResult) -> None:
+        """This settled batch's part of the pass: the one place totals are added up."""
+        result.published += len(self.published)
+        result.failed += len(self.failures) + len(self.unreached) - self.out_of_attempts
+        result.parked += len(self.refused) + self.out_of_attempts
+        result.held_back += self.held_back
+        result.kafka_unavailable = result.kafka_unavailable or self.unavailable is not None
 
 
 @dataclass
@@ -165,6 +151,11 @@ class InFlight:
 
 
 class Relay:
+    """The pass's policy: one pass at a time (the lock), batches in a pipeline until
+    there is nothing due, Kafka is gone, a stop is asked or the pass's time is
+    spent; then retention and the outbox's gauges. The batches' own work is
+    :class:`RelayBatches`."""
+
     def __init__(
         self,
         settings: Settings,
@@ -184,9 +175,6 @@ class Relay:
         # One pass at a time across all relays (see try_relay_lock); a test
         # turns it off to check that concurrent passes stay correct too.
         self.exclusive = exclusive
-        self.kafka_timeout = settings.kafka_timeout.total_seconds()
-
-    # -- one pass ----------------------------------------------------------
 
     def run(self) -> RelayResult:
         """One pass, unless another relay's pass is running (then only the gauges)."""
@@ -199,25 +187,10 @@ class Relay:
                 else:
                     result.skipped = True
         except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
-            result.database_failed = True
+            self._database_failed(result, exc)
         self._measure(result)
-        self.bus.emit(
-            RelayPassCompleted(
-                published=result.published,
-                failed=result.failed,
-                parked=result.parked,
-                held_back=result.held_back,
-                pending=result.pending,
-                oldest_pending_age_seconds=result.oldest_pending_age_seconds,
-                outbox_parked=result.outbox_parked,
-                deleted=result.deleted,
-                kafka_unavailable=result.kafka_unavailable,
-                skipped=result.skipped,
-                timed_out=result.timed_out,
-                duration_ms=round((time.monotonic() - started) * 1000),
-            )
-        )
+        duration_ms = round((time.monotonic() - started) * 1000)
+        self.bus.emit(RelayPassCompleted(result=result, duration_ms=duration_ms))
         return result
 
     @contextmanager
@@ -242,6 +215,7 @@ class Relay:
         """Batches until a claim finds nothing, Kafka is gone, a stop is asked or the
         pass's time is spent; then retention."""
         deadline = time.monotonic() + self.settings.relay_max_pass_duration.total_seconds()
+        batches = RelayBatches(self.settings, self.engine, self.producers, self.bus)
         current: InFlight | None = None
         following: InFlight | None = None
         # One batch is awaited, marked and committed on this thread while the
@@ -250,7 +224,7 @@ class Relay:
         closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-close")
         closing: Future[BatchReport] | None = None
         try:
-            current = self._claim_and_send()
+            current = batches.claim_and_send()
             while current is not None:
                 # A short batch is not the end: while a drain writes events, the
                 # pass follows it a batch behind instead of waiting for the next
@@ -260,26 +234,24 @@ class Relay:
                     or time.monotonic() >= deadline
                     or self.stop_event.is_set()
                 )
-                closing, current = closer.submit(self._await_and_mark, current), None
-                following = self._claim_and_send() if more else None
+                closing, current = closer.submit(batches.settle, current), None
+                following = batches.claim_and_send() if more else None
                 report = closing.result()
                 closing = None
-                result.add(report)
+                report.add_to(result)
                 if report.unavailable is not None:
                     if following is not None:  # sent already: settle it, then stop
                         settling, following = following, None
-                        result.add(self._await_and_mark(settling))
+                        batches.settle(settling).add_to(result)
                     break
                 current, following = following, None
                 if current is None and more:
-                    current = self._claim_and_send()
+                    current = batches.claim_and_send()
         except SoftTimeLimitExceeded:
             # The batches in flight roll back: their rows go again next pass.
-            log(logger, "relay.time_limit", level=logging.WARNING, published=result.published)
             result.timed_out = True
         except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
-            result.database_failed = True
+            self._database_failed(result, exc)
         finally:
             # A batch being closed finishes on its own (bounded by the Kafka
             # timeout); the ones this thread holds are rolled back.
@@ -290,12 +262,15 @@ class Relay:
             if closing is not None and not closing.cancelled():
                 failure = closing.exception()
                 if failure is None:
-                    result.add(closing.result())
+                    closing.result().add_to(result)
                 elif not isinstance(failure, SQLAlchemyError | SoftTimeLimitExceeded):
-                    log(logger, "relay.close_failed", level=logging.ERROR,
-                        error=describe(failure))  # fmt: skip
+                    self.bus.emit(RelayCloseFailed(error=describe(failure)))
         if not result.timed_out:
             result.deleted = self._retention(deadline)
+
+    def _database_failed(self, result: RelayResult, exc: SQLAlchemyError) -> None:
+        result.database_failed = True
+        self.bus.emit(RelayDbFailed(error=describe(exc)))
 
     def _measure(self, result: RelayResult) -> None:
         try:
@@ -303,12 +278,47 @@ class Relay:
                 stats = queries.outbox_pending_stats()
             result.pending, result.oldest_pending_age_seconds, result.outbox_parked = stats
         except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
-            result.database_failed = True
+            self._database_failed(result, exc)
 
-    # -- steps 1 and 2: claim, send the first round ----------------------------
+    def _retention(self, deadline: float) -> int:
+        """Delete published rows older than the retention, a small batch per transaction."""
+        # the database compares by its own clock; the fact's cutoff is this process's view
+        cutoff = datetime.now(UTC) - self.settings.outbox_retention
+        deleted = 0
+        try:
+            for _ in range(RETENTION_MAX_BATCHES):
+                with transaction(self.engine, budgets.quick(self.settings)) as queries:
+                    count = queries.delete_published_outbox(
+                        self.settings.outbox_retention, RETENTION_BATCH
+                    )
+                deleted += count
+                if count < RETENTION_BATCH or time.monotonic() >= deadline:
+                    break
+        except SQLAlchemyError as exc:
+            self.bus.emit(RelayDbFailed(error=describe(exc)))
+        if deleted:
+            self.bus.emit(RelayRetentionDeleted(count=deleted, cutoff=cutoff))
+        return deleted
 
-    def _claim_and_send(self) -> InFlight | None:
+
+class RelayBatches:
+    """One pass's batches: what the calling thread claims and sends
+    (:meth:`claim_and_send`, a transaction of its own per batch) and what the closer
+    thread awaits, marks and commits (:meth:`settle`), as cycle.PhaseBatches is
+    for a phase's batches."""
+
+    def __init__(
+        self, settings: Settings, engine: Engine, producers: ProducerSlot, bus: Bus
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.producers = producers
+        self.bus = bus
+        self.kafka_timeout = settings.kafka_timeout.total_seconds()
+
+    # -- claim, send the first round ----------------------------------------
+
+    def claim_and_send(self) -> InFlight | None:
         """Claim a batch in a new transaction and send its first round; None when
         nothing is due."""
         conn = self.engine.connect()
@@ -361,9 +371,11 @@ class Relay:
             sent.append((row, future))
         return sent
 
-    # -- steps 3 and 4: await the rounds, mark, commit -------------------------
+    # -- await the rounds, mark, commit -------------------------------------
 
-    def _await_and_mark(self, flight: InFlight) -> BatchReport:
+    def settle(self, flight: InFlight) -> BatchReport:
+        """Await the batch's rounds, mark each row by its own outcome, commit; then
+        tell what was committed."""
         report = flight.report
         try:
             if flight.producer is not None and report.unavailable is None:
@@ -377,7 +389,7 @@ class Relay:
                 for row in flight.rows:
                     if row.id not in attempted:
                         report.unreached[row.id] = error
-                self._log_unavailable(report.unavailable, flight.rows, flight.producer)
+                self._unavailable(report.unavailable, flight.rows, flight.producer)
                 self.producers.discard(f"Kafka unavailable: {error}")
             elif report.producer_broken:
                 self.producers.discard("the producer hit a fatal error")
@@ -391,19 +403,12 @@ class Relay:
                 published=len(report.published),
                 failed=len(report.failures) + len(report.unreached),
                 parked=len(report.refused) + report.out_of_attempts,
+                error=next(iter(report.failures.values()), None),
+                failures=len(report.failures),
+                out_of_attempts=report.out_of_attempts,
+                max_attempts=self.settings.relay_max_attempts,
             )
         )
-        if report.published:
-            log(logger, "relay.published", count=len(report.published), claimed=report.claimed)
-        if report.failures:
-            log(
-                logger,
-                "relay.batch_failed",
-                level=logging.WARNING,
-                failed=len(report.failures),
-                claimed=report.claimed,
-                error=next(iter(report.failures.values())),
-            )
         return report
 
     def _rounds(self, flight: InFlight) -> None:
@@ -454,12 +459,13 @@ class Relay:
         error = describe(exc)
         if isinstance(exc, UNAVAILABLE):
             report.unreached[row.id] = error
-            return  # one line for the whole batch, see _log_unavailable
+            return  # one fact for the whole batch, see _unavailable
         if refused_for_good(exc):
             report.refused[row.id] = error
         else:
             report.failures[row.id] = error
             report.producer_broken = report.producer_broken or breaks_the_producer(exc)
+        # A row-level diagnostic, logged where it is seen (docs/design.md#facts-and-logs).
         log(
             logger,
             "relay.row_parked" if row.id in report.refused else "relay.row_failed",
@@ -496,16 +502,8 @@ class Relay:
                 max_attempts=attempts,
             )
             report.out_of_attempts = len(parked)
-            if parked:
-                log(
-                    logger,
-                    "relay.out_of_attempts",
-                    level=logging.ERROR,
-                    parked=len(parked),
-                    max_attempts=self.settings.relay_max_attempts,
-                )
 
-    def _log_unavailable(
+    def _unavailable(
         self, exc: BaseException, rows: list[Row], producer: KafkaProducer | None
     ) -> None:
         if producer is not None and producer.bootstrap_connected():
@@ -513,45 +511,16 @@ class Relay:
             # not exist (the relay never creates topics).
             missing = sorted({row.topic for row in rows if not _known(producer, row.topic)})
             for topic in missing:
-                log(
-                    logger,
-                    "relay.topic_missing",
-                    level=logging.ERROR,
-                    topic=topic,
-                    reason=f"Kafka has no topic {topic!r}; create it (the relay never does)",
-                )
+                self.bus.emit(RelayTopicMissing(topic=topic))
             if missing:
                 return
-        log(
-            logger,
-            "relay.kafka_unavailable",
-            level=logging.ERROR,
-            bootstrap_servers=self.settings.kafka_bootstrap_servers,
-            error=describe(exc),
-            rows=len(rows),
+        self.bus.emit(
+            RelayKafkaUnavailable(
+                bootstrap_servers=self.settings.kafka_bootstrap_servers,
+                error=describe(exc),
+                rows=len(rows),
+            )
         )
-
-    # -- step 5: retention -------------------------------------------------
-
-    def _retention(self, deadline: float) -> int:
-        """Delete published rows older than the retention, a small batch per transaction."""
-        # the database compares by its own clock; the log's cutoff is this process's view
-        cutoff = datetime.now(UTC) - self.settings.outbox_retention
-        deleted = 0
-        try:
-            for _ in range(RETENTION_MAX_BATCHES):
-                with transaction(self.engine, budgets.quick(self.settings)) as queries:
-                    count = queries.delete_published_outbox(
-                        self.settings.outbox_retention, RETENTION_BATCH
-                    )
-                deleted += count
-                if count < RETENTION_BATCH or time.monotonic() >= deadline:
-                    break
-        except SQLAlchemyError as exc:
-            log(logger, "relay.db_failed", level=logging.ERROR, error=describe(exc))
-        if deleted:
-            log(logger, "relay.retention_deleted", count=deleted, cutoff=cutoff)
-        return deleted
 
 
 def headers(row: Row) -> list[tuple[str, bytes]]:

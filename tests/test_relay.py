@@ -27,10 +27,10 @@ from sqlalchemy import Engine, text
 from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from reaper.events import Bus, RelayBatchCommitted
+from reaper.events import Bus, RelayBatchCommitted, process_bus
 from reaper.kafka import ProducerSlot, producer_config
 from reaper.queries import Queries
-from reaper.relay import Relay
+from reaper.relay import Relay, RelayBatches
 from reaper.traceids import cycle_span_id_for
 from tests.conftest import ROOT, free_port
 from tests.support import factory as f
@@ -482,8 +482,9 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
 
 
 def add_spread_rows(engine: Engine, topic: str, keys: int, per_key: int) -> list[tuple[str, str]]:
-    """``keys`` deals with ``per_key`` events each, interleaved, so every batch of a
-    pass holds several rows of each deal: (key, event id) in commit order."""
+    """``keys`` deals with ``per_key`` events each, interleaved: (key, event id) in
+    commit order. With more deals than a batch holds, batches overlap: while one
+    settles, the next claims the deals it does not hold."""
     rows = []
     with engine.begin() as conn:
         for _ in range(per_key):
@@ -520,7 +521,7 @@ def test_broker_stopping_mid_pass_marks_only_acknowledged_rows_in_order(
         topic = "pin.messenger.conference-ended.v1"
         create_topic(broker.bootstrap, topic)
         settings = relay_settings(database_url, broker.bootstrap, topic, relay_batch_size=100)
-        rows = add_spread_rows(engine, topic, keys=40, per_key=100)
+        rows = add_spread_rows(engine, topic, keys=400, per_key=10)
         bus = Bus()
         killed = threading.Event()
 
@@ -568,7 +569,7 @@ def test_a_pass_ended_mid_way_settles_its_batches_in_flight(
     settings = rsettings.model_copy(
         update={"relay_batch_size": 100, "relay_max_pass_duration": bound}
     )
-    rows = add_spread_rows(engine, topic, keys=40, per_key=100)
+    rows = add_spread_rows(engine, topic, keys=400, per_key=10)
     stop = threading.Event()
     bus = Bus()
 
@@ -603,7 +604,9 @@ def test_a_record_refused_mid_pass_is_parked_and_the_pass_goes_on(
     settings = rsettings.model_copy(
         update={"relay_batch_size": 100, "kafka_max_request_size": 4096}
     )
-    rows = add_spread_rows(engine, topic, keys=40, per_key=25)
+    # more deals than a batch holds: while one batch settles the next is claimed
+    # and sent (deals of the first one wait behind it), so batches overlap
+    rows = add_spread_rows(engine, topic, keys=250, per_key=4)
     refused_key, refused_id = rows[len(rows) // 2]
     with engine.begin() as conn:  # too large to send
         conn.execute(
@@ -627,6 +630,67 @@ def test_a_record_refused_mid_pass_is_parked_and_the_pass_goes_on(
         assert [r.event_id for r in records if r.key == key] == [e for k, e in rows if k == key][
             :done
         ], key
+
+
+MARK_REFUSED = """
+CREATE FUNCTION messenger.test_refuse_mark() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'this mark is refused'; END $$;
+CREATE TRIGGER test_refuse_mark BEFORE UPDATE ON messenger.integration_outbox FOR EACH ROW
+    WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL
+          AND NEW.event_id = CAST('{event_id}' AS uuid))
+    EXECUTE FUNCTION messenger.test_refuse_mark();
+"""
+
+
+def test_a_mark_the_database_refuses_mid_pass_loses_nothing_and_keeps_the_order(
+    rsettings, engine, producers, topic, kafka_broker, caplog
+):
+    """The database refuses one batch's mark while the next batch, claimed and sent
+    meanwhile, is in flight: the pass ends (relay.db_failed), both batches roll
+    back, so only rows whose own acknowledgement came in an earlier committed batch
+    are published (each deal's first ones), none is charged or parked; the next
+    pass sends the rest again (at least once) and every deal's events reach Kafka
+    in commit order."""
+    caplog.set_level(logging.INFO, "reaper")
+    settings = rsettings.model_copy(update={"relay_batch_size": 100})
+    # more deals than a batch holds: while one batch settles the next is claimed
+    # and sent (deals of the first one wait behind it), so batches overlap
+    rows = add_spread_rows(engine, topic, keys=250, per_key=4)
+    _, refused_id = rows[len(rows) // 2]
+    with engine.begin() as conn:
+        conn.exec_driver_sql(MARK_REFUSED.format(event_id=refused_id))
+    try:
+        down = make_relay(settings, engine, producers).run()
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "DROP TRIGGER test_refuse_mark ON messenger.integration_outbox;"
+                " DROP FUNCTION messenger.test_refuse_mark()"
+            )
+    assert down.database_failed and 0 < down.published < len(rows) // 2 + 100
+    assert (down.failed, down.parked, down.pending) == (0, 0, len(rows) - down.published)
+    [failed] = log_events(caplog, "relay.db_failed")
+    assert "this mark is refused" in failed["error"]
+    prefixes = published_prefixes(engine)
+    pending = [r for r in outbox_rows(engine) if r["published_at"] is None]
+    assert [r for r in pending if r["attempts"] or r["last_error"] or r["parked_at"]] == []
+    sent = read_topic(kafka_broker, topic, expect=down.published + 1, timeout=5)
+    # sent but rolled back: the refused batch and the one in flight behind it
+    assert len(sent) > down.published
+    published = {str(r["event_id"]) for r in outbox_rows(engine) if r["published_at"]}
+    assert published <= {r.event_id for r in sent}  # marked only after its own ack
+
+    again = make_relay(settings, engine, producers).run()
+    assert (again.published, again.pending, again.parked) == (len(rows) - down.published, 0, 0)
+    records = sorted(
+        read_topic(kafka_broker, topic, expect=len(sent) + again.published), key=lambda r: r.offset
+    )
+    for key in prefixes:
+        seen: list[str] = []
+        for record in records:
+            if record.key == key and record.event_id not in seen:
+                seen.append(record.event_id)
+        assert seen == [e for k, e in rows if k == key], key  # a duplicate never reorders
 
 
 def test_unreachable_kafka_fails_fast_and_marks_nothing_published(
@@ -680,7 +744,7 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
     brokers are connected but know no partition of the topic (as Kafka answers with
     allow_auto_create_topics off)."""
     caplog.set_level(logging.INFO, "reaper")
-    relay = make_relay(rsettings, engine, producers)
+    batches = RelayBatches(rsettings, engine, producers.slot(rsettings), process_bus)
     missing = f"never.created.{uuid.uuid4().hex[:6]}"
 
     class Connected:
@@ -694,7 +758,7 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
 
     topics = (missing, rsettings.conference_ended_topic)
     rows = [type("OutboxRow", (), {"topic": t})() for t in topics]
-    relay._log_unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Connected())
+    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Connected())
     [line] = log_events(caplog, "relay.topic_missing")
     assert line["topic"] == missing and missing in line["reason"]
     assert not log_events(caplog, "relay.kafka_unavailable")
@@ -703,7 +767,7 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
         def bootstrap_connected(self) -> bool:
             return False
 
-    relay._log_unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Unreachable())
+    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Unreachable())
     assert len(log_events(caplog, "relay.kafka_unavailable")) == 1
 
 
