@@ -141,9 +141,10 @@ def relay_once(url: str, bootstrap: str, topic: str, expected: int) -> dict[str,
     if result["published"] != expected or result["failed"] or result["parked"]:
         raise RuntimeError(f"the relay did not publish the {expected} events: {result}")
     [completed] = [
-        line for line in map(_json_line, done.stderr.splitlines())
+        line
+        for line in map(_json_line, done.stderr.splitlines())
         if line.get("event") == "relay.completed"
-    ]  # fmt: skip
+    ]
     return {**result, "pass_s": completed["duration_ms"] / 1000, "process_s": wall}
 
 

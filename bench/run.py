@@ -217,8 +217,10 @@ def live_figure(
         seed.seed_live(url, count, as_of)
         if policies:
             seed.seed_policies(url, policies)
-    say(f"seeded {sizes.live_big:,} and {sizes.quiet_small:,} live rooms"
-        f" in {time.perf_counter() - started:.1f}s")  # fmt: skip
+    say(
+        f"seeded {sizes.live_big:,} and {sizes.quiet_small:,} live rooms"
+        f" in {time.perf_counter() - started:.1f}s"
+    )
     try:
         return quiet_figure(big_url, small_url, sizes, as_of, raw, what="live")
     finally:
@@ -311,9 +313,14 @@ def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -
                 bench_kafka.autovacuum_back(url)
             rate = count / ours["pass_s"]
             raw.setdefault("relay", []).append(
-                {"events": count, "relay_per_s": rate, "baseline_per_s": base, **ours,
-                 "native_crc": bench_kafka.native_crc()}
-            )  # fmt: skip
+                {
+                    "events": count,
+                    "relay_per_s": rate,
+                    "baseline_per_s": base,
+                    **ours,
+                    "native_crc": bench_kafka.native_crc(),
+                }
+            )
             say(
                 f"relay {count:,}: {rate:,.0f} events/s (pass {ours['pass_s']:.2f}s,"
                 f" process {ours['process_s']:.2f}s); kafka-python alone: {base:,.0f}/s"
@@ -437,8 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.policies:
             seed.seed_policies(big_url, args.policies)
             seed.seed_policies(small_url, args.policies)
-        say(f"seeded history and {args.policies:,} tenant policies in"
-            f" {time.perf_counter() - started:.1f}s")  # fmt: skip
+        say(
+            f"seeded history and {args.policies:,} tenant policies in"
+            f" {time.perf_counter() - started:.1f}s"
+        )
         if "quiet" in only:
             rows.append(quiet_figure(big_url, small_url, sizes, as_of, raw).settle())
         if "live" in only:

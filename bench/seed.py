@@ -252,8 +252,9 @@ def seed_history(
     vacuum(url)
 
 
-def seed_live_rooms(cur: psycopg2.extensions.cursor, count: int, as_of: datetime,
-                    chunk: int = 250_000) -> None:
+def seed_live_rooms(
+    cur: psycopg2.extensions.cursor, count: int, as_of: datetime, chunk: int = 250_000
+) -> None:
     for first in range(1, count + 1, chunk):
         params = {"first": first, "last": min(count, first + chunk - 1), "as_of": as_of}
         cur.execute(LIVE_SESSIONS, params)

@@ -161,8 +161,10 @@ def cmd_relay(settings: Settings, args: argparse.Namespace) -> int:
         )
         return 1
     if result.skipped:
-        print("reaper: another relay pass is running (a worker's): this one only counted",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "reaper: another relay pass is running (a worker's): this one only counted",
+            file=sys.stderr,
+        )
     data = result.to_json()
     if args.json:
         print(json.dumps(data, sort_keys=True))

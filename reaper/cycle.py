@@ -385,9 +385,13 @@ class PhaseBatches:
                 raise
             with lane.transaction() as queries:
                 ids = candidates(
-                    queries, self.phase, self.settings, as_of=self.run.as_of,
-                    excluded=self._excluded(), shortest=self.shortest,
-                )  # fmt: skip
+                    queries,
+                    self.phase,
+                    self.settings,
+                    as_of=self.run.as_of,
+                    excluded=self._excluded(),
+                    shortest=self.shortest,
+                )
             outcome = self._isolate(lane, ids, exc)
             outcome.candidates = len(ids)
         self.locked.add(

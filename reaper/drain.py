@@ -78,8 +78,19 @@ def drain(
 
         def lane() -> Future[None]:
             context = contextvars.copy_context()
-            return pool.submit(context.run, _lane, state, session, batch, report, teller, full,
-                               deadline, clock, stop)  # fmt: skip
+            return pool.submit(
+                context.run,
+                _lane,
+                state,
+                session,
+                batch,
+                report,
+                teller,
+                full,
+                deadline,
+                clock,
+                stop,
+            )
 
         running = [lane()]
         try:

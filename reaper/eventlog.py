@@ -196,8 +196,13 @@ def phase_mass_closure(fact: PhaseMassClosure) -> None:
     if fact.allowed:
         log(logger, "phase.mass_closure_allowed", level=logging.WARNING, **fields)
     else:
-        log(logger, "phase.mass_closure_blocked", level=logging.ERROR, **fields,
-            hint=MASS_CLOSURE_HINT)  # fmt: skip
+        log(
+            logger,
+            "phase.mass_closure_blocked",
+            level=logging.ERROR,
+            **fields,
+            hint=MASS_CLOSURE_HINT,
+        )
 
 
 def phase_completed(fact: PhaseCompleted) -> None:
@@ -240,29 +245,57 @@ def phase_failed(fact: PhaseFailed) -> None:
 
 
 def lock_lost(fact: LockLost) -> None:
-    log(logger, "lock.lost", level=logging.ERROR, run_id=fact.run_id, phase=fact.phase,
-        error=fact.error)  # fmt: skip
+    log(
+        logger,
+        "lock.lost",
+        level=logging.ERROR,
+        run_id=fact.run_id,
+        phase=fact.phase,
+        error=fact.error,
+    )
 
 
 def relay_batch(fact: RelayBatchCommitted) -> None:
     if fact.published:
         log(relay_logger, "relay.published", count=fact.published, claimed=fact.claimed)
     if fact.failures:
-        log(relay_logger, "relay.batch_failed", level=logging.WARNING, failed=fact.failures,
-            claimed=fact.claimed, error=fact.error)  # fmt: skip
+        log(
+            relay_logger,
+            "relay.batch_failed",
+            level=logging.WARNING,
+            failed=fact.failures,
+            claimed=fact.claimed,
+            error=fact.error,
+        )
     if fact.out_of_attempts:
-        log(relay_logger, "relay.out_of_attempts", level=logging.ERROR,
-            parked=fact.out_of_attempts, max_attempts=fact.max_attempts)  # fmt: skip
+        log(
+            relay_logger,
+            "relay.out_of_attempts",
+            level=logging.ERROR,
+            parked=fact.out_of_attempts,
+            max_attempts=fact.max_attempts,
+        )
 
 
 def relay_kafka_unavailable(fact: RelayKafkaUnavailable) -> None:
-    log(relay_logger, "relay.kafka_unavailable", level=logging.ERROR,
-        bootstrap_servers=fact.bootstrap_servers, error=fact.error, rows=fact.rows)  # fmt: skip
+    log(
+        relay_logger,
+        "relay.kafka_unavailable",
+        level=logging.ERROR,
+        bootstrap_servers=fact.bootstrap_servers,
+        error=fact.error,
+        rows=fact.rows,
+    )
 
 
 def relay_topic_missing(fact: RelayTopicMissing) -> None:
-    log(relay_logger, "relay.topic_missing", level=logging.ERROR, topic=fact.topic,
-        reason=f"Kafka has no topic {fact.topic!r}; create it (the relay never does)")  # fmt: skip
+    log(
+        relay_logger,
+        "relay.topic_missing",
+        level=logging.ERROR,
+        topic=fact.topic,
+        reason=f"Kafka has no topic {fact.topic!r}; create it (the relay never does)",
+    )
 
 
 def relay_db_failed(fact: RelayDbFailed) -> None:

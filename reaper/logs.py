@@ -36,9 +36,15 @@ def log(logger: logging.Logger, event: str, level: int = logging.INFO, **fields:
         # the stack: a quarter of a line's cost (measured), for a file and line
         # number that no JSON line shows.
         record = logger.makeRecord(
-            logger.name, level, "", 0, _Message(event, fields), (), None,
+            logger.name,
+            level,
+            "",
+            0,
+            _Message(event, fields),
+            (),
+            None,
             extra={"event": event, "fields": fields},
-        )  # fmt: skip
+        )
         logger.handle(record)
 
 

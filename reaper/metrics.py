@@ -417,8 +417,7 @@ def _gauges(fact: GaugesMeasured) -> None:
     m.activity_ahead.set(fact.activity_ahead)
     for phase in PHASE_NAMES:
         m.paused.labels(phase=phase).set(1 if phase in fact.paused else 0)
-    _set_outbox(m, fact.outbox_pending, fact.outbox_oldest_pending_age_seconds,
-                fact.outbox_parked)  # fmt: skip
+    _set_outbox(m, fact.outbox_pending, fact.outbox_oldest_pending_age_seconds, fact.outbox_parked)
     if fact.last_run_completed_at is not None:
         m.last_run_completed.set(fact.last_run_completed_at.timestamp())
 
@@ -727,6 +726,11 @@ def serve(
         return answer
 
     server = _BoundedServer(address, port, app)
-    log(logger, "metrics.serving", port=server.port, address=address,
-        multiprocess=bool(_multiproc_dir))  # fmt: skip
+    log(
+        logger,
+        "metrics.serving",
+        port=server.port,
+        address=address,
+        multiprocess=bool(_multiproc_dir),
+    )
     return Server(server.port, server.close)

@@ -100,8 +100,9 @@ def _runs(rows: list[Any]) -> dict[str, Any]:
             entry.update(phase=row.phase, lease_expires_at=rfc3339(row.lease_expires_at))
             out["current"] = entry
         else:
-            entry.update(finished_at=rfc3339(row.finished_at), outcome=row.outcome,
-                         errors=row.errors)  # fmt: skip
+            entry.update(
+                finished_at=rfc3339(row.finished_at), outcome=row.outcome, errors=row.errors
+            )
             out["last"] = entry
     return out
 
@@ -359,10 +360,13 @@ def format_policies(policies: list[TenantPolicy], settings: Settings) -> str:
         for p in policies
     ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    lines = [f"{len(policies)} tenant polic{'y' if len(policies) == 1 else 'ies'}"
-             f" (defaults: {defaults})"]  # fmt: skip
-    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-              for line in [header, *body]]  # fmt: skip
+    lines = [
+        f"{len(policies)} tenant polic{'y' if len(policies) == 1 else 'ies'} (defaults: {defaults})"
+    ]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *body]
+    ]
     return "\n".join(lines)
 
 

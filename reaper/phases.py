@@ -18,7 +18,7 @@ from reaper.queries import Queries
 Shortest = dict[str, timedelta | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Phase:
     name: str
     outcome: str  # metrics label of items_total
@@ -61,17 +61,33 @@ class Phase:
 
 
 EMPTY_ROOM = Phase(
-    "empty_room", "empty_timeout", "empty_timeout_count", "Ended", "EmptyTimeout",
-    window_name="empty_room_grace", param="empty",
-)  # fmt: skip
+    name="empty_room",
+    outcome="empty_timeout",
+    count_key="empty_timeout_count",
+    status="Ended",
+    end_reason="EmptyTimeout",
+    window_name="empty_room_grace",
+    param="empty",
+)
 PROVISION_TIMEOUT = Phase(
-    "provision_timeout", "provision_failed", "provision_failed_count", "Failed", "Error",
-    window_name="provision_timeout", param="provision",
-)  # fmt: skip
+    name="provision_timeout",
+    outcome="provision_failed",
+    count_key="provision_failed_count",
+    status="Failed",
+    end_reason="Error",
+    window_name="provision_timeout",
+    param="provision",
+)
 STALE_LIVE = Phase(
-    "stale_live", "stale_timeout", "stale_timeout_count", "Ended", "Timeout", guarded=True,
-    window_name="stale_live_timeout", param="stale",
-)  # fmt: skip
+    name="stale_live",
+    outcome="stale_timeout",
+    count_key="stale_timeout_count",
+    status="Ended",
+    end_reason="Timeout",
+    guarded=True,
+    window_name="stale_live_timeout",
+    param="stale",
+)
 
 # A transition is terminal, so a room closed by an earlier phase is invisible to
 # the later ones; this order is the design's (docs/design.md#order-and-batches).

@@ -51,9 +51,7 @@ def parse(source: str) -> dict[str, str]:
         def include(match: re.Match[str]) -> str:
             name = match["name"]
             if name not in fragments:
-                raise ValueError(
-                    f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}"
-                )
+                raise ValueError(f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}")
             if name in within:
                 raise ValueError(f"fragment {name!r} includes itself in {QUERIES_FILE.name}")
             body = _LEADING_COMMENT.sub("", fragments[name] + "\n").rstrip("\n")

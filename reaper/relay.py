@@ -383,9 +383,11 @@ class RelayBatches:
             if report.unavailable is not None:
                 error = describe(report.unavailable)
                 attempted = (
-                    set(report.published) | set(report.failures) | set(report.refused)
+                    set(report.published)
+                    | set(report.failures)
+                    | set(report.refused)
                     | set(report.unreached)
-                )  # fmt: skip
+                )
                 for row in flight.rows:
                     if row.id not in attempted:
                         report.unreached[row.id] = error
