@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 
 from reaper.config import Settings
 from reaper.events import ConferenceAnomaly, ConferenceReaped, ItemFailed, StopRequest
-from reaper.queries import Queries
+from reaper.queries import Queries, ResultRow
 
 # Per phase, the shortest window any tenant policy sets (None: none does).
 Shortest = dict[str, timedelta | None]
@@ -227,6 +227,11 @@ def reap_batch(
             end_reason=phase.end_reason,
             topic=settings.conference_ended_topic,
         )
+    return outcome_of(rows, phase, run_id)
+
+
+def outcome_of(rows: list[ResultRow], phase: Phase, run_id: str) -> BatchOutcome:
+    """What a phase statement's result rows say became of its batch."""
     outcome = BatchOutcome()
     # Unpacked in the statements' column order ("Result rows of a phase statement"
     # in sql/queries.sql): one step per row instead of a lookup per column.
