@@ -17,9 +17,9 @@ next batches run; a lane waits for its previous report before handing in the
 next (memory stays flat). ``report`` runs on that single thread only, so it may
 count without a lock.
 
-A lane's exception stops the others after their batch in flight and is raised
-once they have ended; so is a ``BaseException`` (Celery's soft time limit)
-that arrives in the calling thread.
+The first exception a lane raises stops the others after their batch in flight
+and is raised once they have ended; so is a ``BaseException`` (Celery's soft
+time limit) that arrives in the calling thread.
 """
 
 from __future__ import annotations
@@ -52,11 +52,18 @@ class _Lanes(Generic[B]):
         self.decided = threading.Event()  # the first batch came back (full or not)
         self.full = False
         self.result = Drained()
+        self.error: BaseException | None = None  # the first a lane raised, in time
         self._lock = threading.Lock()
 
     def counted(self) -> None:
         with self._lock:
             self.result.batches += 1
+
+    def failed(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+        self.halt.set()  # the other lanes end their batch in flight and stop
 
 
 def drain(
@@ -91,8 +98,10 @@ def drain(
             state.halt.set()
             wait(running)
             raise
+        if state.error is not None:  # the cause, not what it led to in the other lanes
+            raise state.error
         for finished in running:
-            finished.result()  # the first lane error, after every lane has ended
+            finished.result()  # a lane's last report that raised
     state.result.stopped = stop.is_set()
     return state.result
 
@@ -124,8 +133,8 @@ def _lane(
                 state.decided.set()
                 if clock() >= deadline or stop.is_set():
                     break
-    except BaseException:
-        state.halt.set()  # the other lanes end their batch in flight and stop
+    except BaseException as error:
+        state.failed(error)
         raise
     finally:
         state.decided.set()
