@@ -53,7 +53,9 @@ class _Lanes(Generic[B]):
         self.full = False
         self.result = Drained()
         self.error: BaseException | None = None  # the first a lane raised, in time
+        self.active = 0  # lanes begun and not yet ended
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)
 
     def counted(self) -> None:
         with self._lock:
@@ -64,6 +66,28 @@ class _Lanes(Generic[B]):
             if self.error is None:
                 self.error = error
         self.halt.set()  # the other lanes end their batch in flight and stop
+
+    def enter(self) -> bool:
+        """A lane begins, unless the drain is halted (then it opens no session)."""
+        with self._lock:
+            if self.halt.is_set():
+                return False
+            self.active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.active -= 1
+            self._ended.notify_all()
+
+    def halt_and_wait(self) -> None:
+        """Halt, then wait until every lane that began has ended its batch in flight
+        and its reports. Counted by the lanes themselves: a soft time limit can
+        strike the calling thread inside the executor's submit, after the lane's
+        thread started and before its future was returned."""
+        with self._lock:
+            self.halt.set()
+            self._ended.wait_for(lambda: self.active == 0)
 
 
 def drain(
@@ -95,8 +119,7 @@ def drain(
                 running += [lane() for _ in range(lanes - 1)]
             wait(running)
         except BaseException:  # a soft time limit: every lane ends its batch, then stop
-            state.halt.set()
-            wait(running)
+            state.halt_and_wait()
             raise
         if state.error is not None:  # the cause, not what it led to in the other lanes
             raise state.error
@@ -117,6 +140,9 @@ def _lane(
     clock: Monotonic,
     stop: threading.Event,
 ) -> None:
+    if not state.enter():
+        state.decided.set()
+        return
     told: Future[None] | None = None
     try:
         with session() as held:
@@ -138,8 +164,11 @@ def _lane(
         raise
     finally:
         state.decided.set()
-        if told is not None:
-            told.result()
+        try:
+            if told is not None:
+                told.result()
+        finally:
+            state.leave()
 
 
 class SkippedLocked:
