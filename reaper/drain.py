@@ -17,9 +17,9 @@ next batches run; a lane waits for its previous report before handing in the
 next (memory stays flat). ``report`` runs on that single thread only, so it may
 count without a lock.
 
-A lane's exception stops the others after their batch in flight and is raised
-once they have ended; so is a ``BaseException`` (Celery's soft time limit)
-that arrives in the calling thread.
+The first exception a lane raises stops the others after their batch in flight
+and is raised once they have ended; so is a ``BaseException`` (Celery's soft
+time limit) that arrives in the calling thread.
 """
 
 from __future__ import annotations
@@ -52,11 +52,42 @@ class _Lanes(Generic[B]):
         self.decided = threading.Event()  # the first batch came back (full or not)
         self.full = False
         self.result = Drained()
+        self.error: BaseException | None = None  # the first a lane raised, in time
+        self.active = 0  # lanes begun and not yet ended
         self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)
 
     def counted(self) -> None:
         with self._lock:
             self.result.batches += 1
+
+    def failed(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+        self.halt.set()  # the other lanes end their batch in flight and stop
+
+    def enter(self) -> bool:
+        """A lane begins, unless the drain is halted (then it opens no session)."""
+        with self._lock:
+            if self.halt.is_set():
+                return False
+            self.active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.active -= 1
+            self._ended.notify_all()
+
+    def halt_and_wait(self) -> None:
+        """Halt, then wait until every lane that began has ended its batch in flight
+        and its reports. Counted by the lanes themselves: a soft time limit can
+        strike the calling thread inside the executor's submit, after the lane's
+        thread started and before its future was returned."""
+        with self._lock:
+            self.halt.set()
+            self._ended.wait_for(lambda: self.active == 0)
 
 
 def drain(
@@ -99,11 +130,12 @@ def drain(
                 running += [lane() for _ in range(lanes - 1)]
             wait(running)
         except BaseException:  # a soft time limit: every lane ends its batch, then stop
-            state.halt.set()
-            wait(running)
+            state.halt_and_wait()
             raise
+        if state.error is not None:  # the cause, not what it led to in the other lanes
+            raise state.error
         for finished in running:
-            finished.result()  # the first lane error, after every lane has ended
+            finished.result()  # a lane's last report that raised
     state.result.stopped = stop.is_set()
     return state.result
 
@@ -119,6 +151,9 @@ def _lane(
     clock: Monotonic,
     stop: threading.Event,
 ) -> None:
+    if not state.enter():
+        state.decided.set()
+        return
     told: Future[None] | None = None
     try:
         with session() as held:
@@ -135,13 +170,16 @@ def _lane(
                 state.decided.set()
                 if clock() >= deadline or stop.is_set():
                     break
-    except BaseException:
-        state.halt.set()  # the other lanes end their batch in flight and stop
+    except BaseException as error:
+        state.failed(error)
         raise
     finally:
         state.decided.set()
-        if told is not None:
-            told.result()
+        try:
+            if told is not None:
+                told.result()
+        finally:
+            state.leave()
 
 
 class SkippedLocked:

@@ -1,6 +1,7 @@
 """Shared fixtures: a real PostgreSQL database per test session (migrated once),
 real Redis, and a real Kafka-compatible broker. A missing service fails the
-run; nothing is skipped."""
+tests that use it; nothing is skipped. Tests that use no service (pure
+functions, files, fakes) request none of these and run without them."""
 
 from __future__ import annotations
 
@@ -57,8 +58,9 @@ TABLES = (
 )
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def services() -> None:
+    """PostgreSQL and Redis answer, or every test that needs them fails here."""
     pg = make_url(PG_URL)
     redis = urlsplit(REDIS_URL)
     missing = [
@@ -75,7 +77,13 @@ def services() -> None:
 
 @pytest.fixture(scope="session")
 def database_url(services: None) -> Iterator[str]:
+    """The session's migrated database. The test process is then a process like
+    the CLI: its bus has the subscribers (logs, metrics, traces, the gauges on
+    this database), so a test that runs the engine sees its log lines."""
+    from reaper import wiring
+
     migrate(TEST_DB_URL)
+    wiring.install(Settings(database_url=TEST_DB_URL))
     yield TEST_DB_URL
     dispose_engines()
     admin = create_engine(f"{PG_URL}/postgres", isolation_level="AUTOCOMMIT")
@@ -90,14 +98,6 @@ def engine(database_url: str) -> Iterator[Engine]:
     with engine.begin() as conn:
         conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
     yield engine
-
-
-@pytest.fixture(scope="session", autouse=True)
-def process_bus(database_url: str) -> None:
-    """The test process is a process like the CLI: its bus has the subscribers."""
-    from reaper import wiring
-
-    wiring.install(Settings(database_url=database_url))
 
 
 @pytest.fixture

@@ -197,15 +197,6 @@ def test_valid_edge_values_are_accepted(monkeypatch, env):
     load_settings()
 
 
-def test_figures(capsys):
-    with capsys.disabled():
-        print(
-            f"\n[figures] config: {len(all_cases())} invalid inputs over "
-            f"{len(Settings.model_fields)} REAPER_* variables refused "
-            f"({sum(map(len, INVALID.values()))} single values, {len(COMBINATIONS)} combinations)"
-        )
-
-
 # A representative subset through the real entry points.
 PROCESS_CASES = [
     ({"DATABASE_URL": f"postgres://reaper:{SECRET}@db.example/reaper"}, "DATABASE_URL"),

@@ -1,10 +1,9 @@
-"""A drain lane's database session (reaper.db.session) and the drain's lanes (reaper.drain)."""
+"""A drain lane's database session (reaper.db.session); the lanes themselves are
+tests/test_drain.py's."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -13,7 +12,6 @@ from sqlalchemy.exc import DBAPIError
 
 from reaper.budgets import Budget, Peer
 from reaper.db import session, transaction
-from reaper.drain import drain
 
 PEER = Peer(connect=timedelta(seconds=5), silence=timedelta(seconds=12))
 BUDGET = Budget(idle=timedelta(seconds=7), statement=timedelta(seconds=3), peer=PEER)
@@ -108,39 +106,3 @@ def test_a_session_the_server_ended_is_discarded_not_returned(
     with one_connection.connect() as conn:  # a new connection, with the defaults
         assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
         assert shown(conn)[0] == "0"
-
-
-def test_each_lane_holds_one_session_for_all_of_its_batches() -> None:
-    opened: list[int] = []
-    closed: list[int] = []
-    lock = threading.Lock()
-    left = iter(range(10))  # ten full batches, then a short one
-
-    @contextmanager
-    def lane_session() -> Iterator[int]:
-        with lock:
-            number = len(opened)
-            opened.append(number)
-        yield number
-        with lock:
-            closed.append(number)
-
-    def batch(held: int) -> tuple[int, bool]:
-        with lock:
-            full = next(left, None) is not None
-        return held, full
-
-    used: list[int] = []
-    done = drain(
-        batch,
-        lambda outcome: used.append(outcome[0]),
-        session=lane_session,
-        full=lambda outcome: outcome[1],
-        lanes=2,
-        deadline=float("inf"),
-        clock=lambda: 0.0,
-        stop=threading.Event(),
-    )
-    assert done.drained and done.batches >= 11
-    assert sorted(opened) == sorted(closed) == [0, 1]  # two lanes, one session each
-    assert set(used) == {0, 1}

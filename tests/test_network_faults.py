@@ -97,7 +97,7 @@ def test_migrate_gives_up_on_a_silent_server_within_its_connect_timeout():
         assert server.accepted >= 2  # both reached the server: the bound ended the wait
 
 
-def test_broker_connections_carry_the_bounds():
+def test_broker_connections_carry_the_bounds(services):
     from reaper.celery_app import app
 
     settings = Settings()

@@ -1,4 +1,5 @@
-"""The phases' cases (docs/design.md#the-three-phases), one test each, on real PostgreSQL."""
+"""The phases' cases (docs/design.md#the-three-phases), one test each, on real PostgreSQL
+(the cycle around them is tests/test_cycle.py's)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from reaper.db import transaction
 from reaper.events import BatchSelected, Bus
 from tests.support import factory as f
 from tests.support.factory import T0
-from tests.support.facts import SteppingClock, log_events
+from tests.support.facts import log_events
 
 
 def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
@@ -410,29 +411,6 @@ def test_poison_rows_filling_a_batch_do_not_block_the_rest(database_url, refusin
         assert all(f.statuses(conn)[g["id"]] == ("Ended", "EmptyTimeout") for g in good)
 
 
-def test_lock_held_elsewhere_makes_the_run_a_noop(settings, engine, caplog):
-    caplog.set_level(logging.INFO, "reaper")
-    with engine.begin() as conn:
-        room = f.conference(conn, idle=timedelta(minutes=5))
-    with engine.connect() as other:
-        other.execute(
-            text("SELECT pg_advisory_lock(hashtextextended('messenger.conference-room-reaper', 0))")
-        )
-        pid = other.execute(text("SELECT pg_backend_pid()")).scalar()
-        result = reap(settings, engine)
-        other.execute(
-            text(
-                "SELECT pg_advisory_unlock(hashtextextended('messenger.conference-room-reaper', 0))"
-            )
-        )
-    assert result["skipped"] is True and result["empty_timeout_count"] == 0
-    with engine.connect() as conn:
-        assert f.statuses(conn) == {room["id"]: ("Active", None)} and f.outbox(conn) == []
-    skipped = log_events(caplog, "cycle.skipped")
-    assert skipped and all(e["holder_pid"] == pid for e in skipped)
-    assert reap(settings, engine)["empty_timeout_count"] == 1
-
-
 def test_backlog_of_5000_drains_in_one_cycle(settings, engine, capsys):
     with engine.begin() as conn:
         f.bulk_conferences(conn, 5000)
@@ -452,14 +430,3 @@ def test_backlog_of_5000_drains_in_one_cycle(settings, engine, capsys):
             f"\n[figures] 5000-room backlog drained in one cycle: {result['duration_ms']} ms "
             f"({json.dumps({k: v for k, v in result.items() if k.endswith('_count')})})"
         )
-
-
-def test_cycle_respects_max_run_duration_then_resumes(database_url, engine):
-    settings = Settings(database_url=database_url, batch_size=10)
-    with engine.begin() as conn:
-        f.bulk_conferences(conn, 50)
-    # every clock read advances 10 s: the 30 s budget is spent after a few batches
-    first = Reaper(settings, engine=engine, clock=SteppingClock(10.0)).run_cycle(T0)
-    assert 0 < first["empty_timeout_count"] < 50
-    rest = Reaper(settings, engine=engine).run_cycle(T0)
-    assert first["empty_timeout_count"] + rest["empty_timeout_count"] == 50
