@@ -15,10 +15,10 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import DBAPIError
 
 from reaper.config import Settings
-from reaper.cycle import Cycle, Reaper, phase_result, refused_by_database
+from reaper.cycle import Cycle, Reaper, phase_result, is_poison_error
 from reaper.events import (
     Bus,
-    CycleFinished,
+    CycleCompleted,
     CycleSkipped,
     CycleStarted,
     PhaseCompleted,
@@ -81,7 +81,7 @@ def test_only_what_the_database_refuses_of_a_row_is_a_refusal(
     pgcode: str | None, refused: bool
 ) -> None:
     exc = DBAPIError("UPDATE ...", {}, SimpleNamespace(pgcode=pgcode))
-    assert refused_by_database(exc) is refused
+    assert is_poison_error(exc) is refused
 
 
 def test_a_phase_result_counts_that_phase_alone() -> None:
@@ -115,11 +115,11 @@ def test_a_cycle_tells_its_start_its_phases_in_order_and_its_end(
     reaper, facts = reaper_on(settings, engine)
     result = reaper.run_cycle(T0)
     kinds = [type(fact) for fact in facts.facts if type(fact) in (
-        CycleStarted, PhaseCompleted, PhaseFailed, CycleFinished)]  # fmt: skip
-    assert kinds == [CycleStarted, PhaseCompleted, PhaseCompleted, PhaseCompleted, CycleFinished]
+        CycleStarted, PhaseCompleted, PhaseFailed, CycleCompleted)]  # fmt: skip
+    assert kinds == [CycleStarted, PhaseCompleted, PhaseCompleted, PhaseCompleted, CycleCompleted]
     assert [p.phase for p in facts.of(PhaseCompleted)] == list(ORDER)
     assert {fact.run_id for fact in facts.facts if hasattr(fact, "run_id")} == {result["run_id"]}
-    (finished,) = facts.of(CycleFinished)
+    (finished,) = facts.of(CycleCompleted)
     assert finished.result == result and finished.errors == 0
     assert (result["empty_timeout_count"], result["provision_failed_count"],
             result["stale_timeout_count"]) == (1, 1, 1)  # fmt: skip
@@ -146,7 +146,7 @@ def test_a_cycle_that_cannot_reach_the_database_fails_and_says_why() -> None:
     result = Reaper(Settings(), engine=dead, bus=bus).run_cycle()
     assert result["skipped"] is False
     assert all(result[key] == 0 for key in COUNT_KEYS)
-    (finished,) = facts.of(CycleFinished)
+    (finished,) = facts.of(CycleCompleted)
     assert finished.errors == 1 and finished.error and "127.0.0.1" in finished.error
     assert facts.of(CycleStarted) == [] and facts.of(PhaseCompleted) == []
 
@@ -237,7 +237,7 @@ def test_a_soft_time_limit_in_a_phase_fails_that_phase_and_the_cycle_goes_on(
     assert failed.phase == "empty_room" and "SoftTimeLimitExceeded" in failed.error
     assert [p.phase for p in facts.of(PhaseCompleted)] == list(ORDER[1:])
     assert result["stale_timeout_count"] == 1
-    (finished,) = facts.of(CycleFinished)
+    (finished,) = facts.of(CycleCompleted)
     assert finished.errors == 1
     assert advisory_locks(engine) == 0
 

@@ -175,12 +175,12 @@ def test_a_cycle_replaces_itself_by_its_phases_then_its_end_under_the_original_i
 
     seed_one_per_phase(engine)
     sent = reap.delay()
-    end = tasks.wait_for("reaper.reap", finish=tasks.wait_for("reaper.reap_phase").kwargs["cycle"])
+    end = tasks.wait_for("reaper.reap", finish=tasks.wait_for("reaper.reap_phase").kwargs["of_run"])
     run_id = end.kwargs["finish"]
     cycle = [ran for ran in tasks.ran if ran.name in ("reaper.reap", "reaper.reap_phase")]
     assert [(ran.name, ran.args, ran.kwargs) for ran in cycle] == [
         ("reaper.reap", (), {}),
-        *[("reaper.reap_phase", (name,), {"cycle": run_id}) for name in ORDER],
+        *[("reaper.reap_phase", (name,), {"of_run": run_id}) for name in ORDER],
         ("reaper.reap", (), {"finish": run_id}),
     ]
     head = cycle[0]
@@ -205,7 +205,7 @@ def test_a_cycle_that_ended_rooms_asks_the_relay_on_its_own_queue(
 
     seed_one_per_phase(engine)
     reap.delay()
-    end = tasks.wait_for("reaper.reap", finish=tasks.wait_for("reaper.reap_phase").kwargs["cycle"])
+    end = tasks.wait_for("reaper.reap", finish=tasks.wait_for("reaper.reap_phase").kwargs["of_run"])
     relay = tasks.wait_for("reaper.relay_outbox")
     assert tasks.names().index("reaper.relay_outbox") > tasks.names().index("reaper.reap_phase")
     assert relay.error is None and set(relay.result) == RELAY_RESULT_KEYS
