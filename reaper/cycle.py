@@ -267,7 +267,9 @@ class Reaper:
                 ended_ns=time.time_ns(),
                 reaped=run.counts[phase.count_key] - before[phase.count_key],
             )
-        except BaseException:  # a soft time limit: free the lock now, not a lease later
+        # Celery's soft time limit is an Exception: the phase fails as above. Only
+        # an interrupt or SystemExit gets here: free the lock now, not a lease later.
+        except BaseException:
             claim.release()
             raise
         lost = claim.release()

@@ -129,7 +129,7 @@ def drain(
             if state.full and not state.halt.is_set():
                 running += [lane() for _ in range(lanes - 1)]
             wait(running)
-        except BaseException:  # a soft time limit: every lane ends its batch, then stop
+        except BaseException:  # a soft time limit, an interrupt: every lane ends its batch
             state.halt_and_wait()
             raise
         if state.error is not None:  # the cause, not what it led to in the other lanes

@@ -34,8 +34,9 @@ def seed(engine: Engine) -> dict[str, str]:
     now = f.db_now(engine)
     with engine.begin() as conn:
         rows = {
-            "an hour ahead": f.conference(conn, as_of=now, idle=-timedelta(hours=1),
-                                          participants=2),
+            "an hour ahead": f.conference(
+                conn, as_of=now, idle=-timedelta(hours=1), participants=2
+            ),
             "infinity": f.conference(conn, as_of=now, last_activity_at="infinity"),
             "a day ahead, stale otherwise": f.conference(
                 conn, as_of=now, idle=-timedelta(days=1), age=timedelta(days=3), participants=1
@@ -43,7 +44,7 @@ def seed(engine: Engine) -> dict[str, str]:
             "2 s ahead (jitter)": f.conference(conn, as_of=now, idle=-timedelta(seconds=2)),
             "-infinity": f.conference(conn, as_of=now, last_activity_at="-infinity"),
             "overdue": f.conference(conn, as_of=now, idle=timedelta(hours=5), participants=1),
-        }  # fmt: skip
+        }
     return {what: row["id"] for what, row in rows.items()}
 
 

@@ -54,8 +54,10 @@ def test_a_fast_worker_clock_closes_no_room_in_use(engine):
     assert abs((parse_time(result["as_of"]) - f.db_now(engine)).total_seconds()) < 10
     [skew] = [e for e in json_lines(done.stderr) if e["event"] == "clock.skew"]
     assert skew["level"] == "WARNING" and 115 < skew["skew_seconds"] < 125
-    print(f"\n[figures] worker clock +120 s: skew measured {skew['skew_seconds']} s; as_of kept "
-          "to the database's clock; a room idle 30 s left alone")  # fmt: skip
+    print(
+        f"\n[figures] worker clock +120 s: skew measured {skew['skew_seconds']} s; as_of kept "
+        "to the database's clock; a room idle 30 s left alone"
+    )
 
 
 @pytest.mark.process
@@ -101,10 +103,21 @@ def test_the_task_refuses_a_future_as_of_and_the_worker_exports_its_skew(engine,
         ahead = rfc3339(now + timedelta(seconds=60))
         called = subprocess.run(
             # no --expires: the caller's clock and the worker's disagree by 120 s
-            [CELERY, "-A", "reaper", "call", "reaper.reap",
-             "--kwargs", json.dumps({"as_of": ahead})],
-            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
-        )  # fmt: skip
+            [
+                CELERY,
+                "-A",
+                "reaper",
+                "call",
+                "reaper.reap",
+                "--kwargs",
+                json.dumps({"as_of": ahead}),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         task_id = called.stdout.strip()
         worker.wait_for(
             lambda out: f"reaper.reap[{task_id}] raised unexpected: AsOfRefused" in out,
@@ -116,8 +129,12 @@ def test_the_task_refuses_a_future_as_of_and_the_worker_exports_its_skew(engine,
             assert f.session_row(conn, room["id"])["status"] == "Active"
         subprocess.run(
             [CELERY, "-A", "reaper", "call", "reaper.reap"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         skew = wait_until(
             lambda: scrape(port).get("messenger_conf_reaper_clock_skew_seconds"),
             30,

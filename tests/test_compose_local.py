@@ -95,17 +95,25 @@ class Stack:
         """The service's command (or its health check) to its end."""
         argv = self.healthcheck(name) if health else self.command(name)
         return subprocess.run(
-            argv, cwd=ROOT, env=self.environment(name),
-            capture_output=True, text=True, timeout=ONE_SHOT_BOUND,
-        )  # fmt: skip
+            argv,
+            cwd=ROOT,
+            env=self.environment(name),
+            capture_output=True,
+            text=True,
+            timeout=ONE_SHOT_BOUND,
+        )
 
     def start(self, name: str, **env: str) -> subprocess.Popen[bytes]:
         """The service's command, its environment with ``env`` over it."""
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - the process owns it
         return subprocess.Popen(
-            self.command(name), cwd=ROOT, env={**self.environment(name), **env},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            self.command(name),
+            cwd=ROOT,
+            env={**self.environment(name), **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def output(self, name: str) -> str:
         path = self.tmp / f"{name}.log"
@@ -160,8 +168,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         redis_port = free_port()
         redis_proc = subprocess.Popen(
             [*services["redis"]["command"], "--port", str(redis_port), "--bind", "127.0.0.1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_for_port(redis_port)
         # kafka and kafka-topics: a Kafka-compatible broker, the file's topic
         kafka.start()
@@ -238,19 +247,26 @@ def test_the_migration_runs_as_the_owner_and_creates_both_roles_nologin(stack, m
     assert url.username == stack.service("postgres")["environment"]["POSTGRES_USER"]
     for name in ("reaper_worker", "reaper_operator"):
         assert role(stack.owner, name) == {
-            "rolcanlogin": False, "rolsuper": False, "rolcreaterole": False,
-            "rolcreatedb": False, "worker": name == "reaper_worker",
+            "rolcanlogin": False,
+            "rolsuper": False,
+            "rolcreaterole": False,
+            "rolcreatedb": False,
+            "worker": name == "reaper_worker",
             "operator": name == "reaper_operator",
-        }, name  # fmt: skip
+        }, name
     with stack.owner.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0009"
 
 
 def test_db_logins_makes_the_worker_login_from_the_secret(stack, worker_login):
     assert role(stack.owner, WORKER_LOGIN) == {
-        "rolcanlogin": True, "rolsuper": False, "rolcreaterole": False, "rolcreatedb": False,
-        "worker": True, "operator": False,
-    }  # fmt: skip
+        "rolcanlogin": True,
+        "rolsuper": False,
+        "rolcreaterole": False,
+        "rolcreatedb": False,
+        "worker": True,
+        "operator": False,
+    }
     assert logs_in(worker_login) == WORKER_LOGIN
     wrong = make_url(worker_login).set(password="not-the-secret")
     with pytest.raises(OperationalError, match="password authentication failed"):
@@ -289,9 +305,12 @@ def test_redis_refuses_a_client_without_the_password(stack):
     no_password = url.replace(f":{stack.secrets['REDIS_PASSWORD']}@", "@")
     done = subprocess.run(
         [str(BIN / "celery"), "-A", "reaper", "control", "shutdown", "--timeout", "2"],
-        cwd=ROOT, env={**stack.environment("flower"), "REAPER_BROKER_URL": no_password},
-        capture_output=True, text=True, timeout=ONE_SHOT_BOUND,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**stack.environment("flower"), "REAPER_BROKER_URL": no_password},
+        capture_output=True,
+        text=True,
+        timeout=ONE_SHOT_BOUND,
+    )
     assert done.returncode != 0
     assert "Authentication required" in done.stdout + done.stderr
     assert redis.Redis(port=stack.redis_port, password=stack.secrets["REDIS_PASSWORD"]).ping()

@@ -26,15 +26,22 @@ def test_a_paused_phase_changes_nothing_and_the_result_says_so(settings, engine,
     with engine.begin() as conn:
         empty = f.conference(conn, as_of=now, idle=timedelta(minutes=5))
         stuck = f.conference(conn, as_of=now, status="Provisioning", age=timedelta(minutes=5))
-    paused = run_cli("pause", "--phase", "empty_room", "--reason", "media incident INC-7",
-                     env={"REAPER_OPERATOR": "alice"})  # fmt: skip
+    paused = run_cli(
+        "pause",
+        "--phase",
+        "empty_room",
+        "--reason",
+        "media incident INC-7",
+        env={"REAPER_OPERATOR": "alice"},
+    )
     assert paused.returncode == 0, paused.stderr
     assert "paused empty_room until resumed (by alice): media incident INC-7" in paused.stdout
     assert count_events(paused.stderr, "control.paused") == 1
     planned = plan(engine, settings, None, per_phase=10)["phases"]  # the dry run agrees
     assert (planned["empty_room"]["would_close"], planned["empty_room"]["paused"]) == (
-        0, "media incident INC-7"
-    )  # fmt: skip
+        0,
+        "media incident INC-7",
+    )
     assert planned["provision_timeout"]["would_close"] == 1
     result = Reaper(settings, engine=engine).run_cycle()
     assert result["paused"] == ["empty_room"]
@@ -48,8 +55,11 @@ def test_a_paused_phase_changes_nothing_and_the_result_says_so(settings, engine,
     status = json.loads(run_cli("status", "--json").stdout)
     [pause] = status["paused"]
     assert (pause["phase"], pause["reason"], pause["by"], pause["until"]) == (
-        "empty_room", "media incident INC-7", "alice", None
-    )  # fmt: skip
+        "empty_room",
+        "media incident INC-7",
+        "alice",
+        None,
+    )
     assert pause["since"].endswith("Z")
     Gauges(engine, settings, process_bus).refresh()
     assert metrics.sample("messenger_conf_reaper_paused", {"phase": "empty_room"}) == 1
@@ -76,14 +86,22 @@ def test_a_pause_for_a_while_ends_by_itself_and_covers_all_phases(settings, engi
     assert done.stdout.count("paused ") == 3
     first = Reaper(settings, engine=engine).run_cycle()
     assert first["paused"] == ["empty_room", "provision_timeout", "stale_live"]
-    assert sum(first[k] for k in ("empty_timeout_count", "provision_failed_count",
-                                  "stale_timeout_count")) == 0  # fmt: skip
+    assert (
+        sum(
+            first[k]
+            for k in ("empty_timeout_count", "provision_failed_count", "stale_timeout_count")
+        )
+        == 0
+    )
     time.sleep(2.2)
     assert json.loads(run_cli("status", "--json").stdout)["paused"] == []
     later = Reaper(settings, engine=engine).run_cycle()
     assert later["paused"] == []
-    assert (later["empty_timeout_count"], later["provision_failed_count"],
-            later["stale_timeout_count"]) == (1, 1, 1)  # fmt: skip
+    assert (
+        later["empty_timeout_count"],
+        later["provision_failed_count"],
+        later["stale_timeout_count"],
+    ) == (1, 1, 1)
 
 
 @pytest.mark.process
@@ -117,24 +135,33 @@ def test_a_pause_is_seen_by_a_second_replica_within_one_cycle(engine, tmp_path):
         def paused_in(worker: Worker) -> int:
             return count_events(worker.output(), "phase.paused")
 
-        wait_until(lambda: f.session_row_status(engine, stuck["id"]) == "Failed", 30,
-                   "other phases run")  # fmt: skip
+        wait_until(
+            lambda: f.session_row_status(engine, stuck["id"]) == "Failed", 30, "other phases run"
+        )
         # several cycles later, on both replicas, the room is still left alone
         seen = [paused_in(w) for w in replicas]
-        wait_until(lambda: all(paused_in(w) > n for w, n in zip(replicas, seen, strict=True)),
-                   60, "a paused empty_room on each replica")  # fmt: skip
+        wait_until(
+            lambda: all(paused_in(w) > n for w, n in zip(replicas, seen, strict=True)),
+            60,
+            "a paused empty_room on each replica",
+        )
         assert f.session_row_status(engine, room["id"]) == "Active"
         resumed_at = time.monotonic()
         assert run_cli("resume").returncode == 0
-        wait_until(lambda: f.session_row_status(engine, room["id"]) == "Ended", 30,
-                   "closed after the resume")  # fmt: skip
+        wait_until(
+            lambda: f.session_row_status(engine, room["id"]) == "Ended",
+            30,
+            "closed after the resume",
+        )
         took = time.monotonic() - resumed_at
     finally:
         for worker in replicas:
             worker.stop()
     assert took < 10, took
-    print(f"\n[figures] pause seen by both replicas; the room closed {took:.1f}s after resume "
-          "(interval 1 s)")  # fmt: skip
+    print(
+        f"\n[figures] pause seen by both replicas; the room closed {took:.1f}s after resume "
+        "(interval 1 s)"
+    )
 
 
 @pytest.mark.process
@@ -154,8 +181,9 @@ def test_parked_rows_are_listed_and_requeued(engine):
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)
     assert {r["message_key"] for r in rows} == {"deal-a", "deal-b"}
-    assert all(set(r) >= {"event_id", "message_key", "attempts", "error", "parked_at"}
-               for r in rows)  # fmt: skip
+    assert all(
+        set(r) >= {"event_id", "message_key", "attempts", "error", "parked_at"} for r in rows
+    )
     assert "parked row(s)" in run_cli("outbox", "parked").stdout
     one = run_cli("outbox", "requeue", "--event-id", rows[0]["event_id"])
     assert one.returncode == 0 and one.stdout.strip() == "requeued 1 parked row"

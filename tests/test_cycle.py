@@ -15,7 +15,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import DBAPIError
 
 from reaper.config import Settings
-from reaper.cycle import Cycle, Reaper, phase_result, is_poison_error
+from reaper.cycle import Cycle, Reaper, is_poison_error, phase_result
 from reaper.events import (
     Bus,
     CycleCompleted,
@@ -114,15 +114,21 @@ def test_a_cycle_tells_its_start_its_phases_in_order_and_its_end(
         f.conference(conn, idle=timedelta(hours=5), participants=1)
     reaper, facts = reaper_on(settings, engine)
     result = reaper.run_cycle(T0)
-    kinds = [type(fact) for fact in facts.facts if type(fact) in (
-        CycleStarted, PhaseCompleted, PhaseFailed, CycleCompleted)]  # fmt: skip
+    kinds = [
+        type(fact)
+        for fact in facts.facts
+        if type(fact) in (CycleStarted, PhaseCompleted, PhaseFailed, CycleCompleted)
+    ]
     assert kinds == [CycleStarted, PhaseCompleted, PhaseCompleted, PhaseCompleted, CycleCompleted]
     assert [p.phase for p in facts.of(PhaseCompleted)] == list(ORDER)
     assert {fact.run_id for fact in facts.facts if hasattr(fact, "run_id")} == {result["run_id"]}
     (finished,) = facts.of(CycleCompleted)
     assert finished.result == result and finished.errors == 0
-    assert (result["empty_timeout_count"], result["provision_failed_count"],
-            result["stale_timeout_count"]) == (1, 1, 1)  # fmt: skip
+    assert (
+        result["empty_timeout_count"],
+        result["provision_failed_count"],
+        result["stale_timeout_count"],
+    ) == (1, 1, 1)
     assert advisory_locks(engine) == 0
 
 

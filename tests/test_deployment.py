@@ -126,8 +126,11 @@ def test_redis_requires_a_password_and_every_broker_url_carries_it():
     assert command[command.index("--requirepass") + 1] == SECRETS["REDIS_PASSWORD"]
     assert environment("redis")["REDISCLI_AUTH"] == SECRETS["REDIS_PASSWORD"]
     assert "PONG" in " ".join(services()["redis"]["healthcheck"]["test"])
-    urls = {name: env["REAPER_BROKER_URL"] for name in services()
-            if "REAPER_BROKER_URL" in (env := environment(name))}  # fmt: skip
+    urls = {
+        name: env["REAPER_BROKER_URL"]
+        for name in services()
+        if "REAPER_BROKER_URL" in (env := environment(name))
+    }
     assert set(urls) == {"worker", "flower"}
     for name, url in urls.items():
         assert make_url(url).password == SECRETS["REDIS_PASSWORD"], name

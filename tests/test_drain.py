@@ -352,16 +352,22 @@ def test_a_stop_asked_before_the_start_still_runs_one_batch() -> None:
 def test_the_deadline_ends_a_lane_after_the_batch_that_reaches_it() -> None:
     lanes = Lanes()
     clock = SteppingClock(1.0)  # one second per reading: one reading per full batch
-    done = run(lanes, lambda lane: (lanes.begun(lane) and lane, True),
-               deadline=clock() + 3, clock=clock)  # fmt: skip
+    done = run(
+        lanes, lambda lane: (lanes.begun(lane) and lane, True), deadline=clock() + 3, clock=clock
+    )
     assert done == Drained(batches=3, drained=False, stopped=False)
 
 
 def test_a_phase_given_no_time_left_still_makes_progress() -> None:
     """Past the deadline each lane runs the one batch it began, then ends."""
     lanes = Lanes()
-    done = run(lanes, lambda lane: (lanes.begun(lane) and lane, True),
-               count=3, deadline=0.0, clock=lambda: 1.0)  # fmt: skip
+    done = run(
+        lanes,
+        lambda lane: (lanes.begun(lane) and lane, True),
+        count=3,
+        deadline=0.0,
+        clock=lambda: 1.0,
+    )
     assert 1 <= done.batches <= 3 and not done.drained
     assert all(number == 1 for number in lanes.batches.values())
 

@@ -78,8 +78,11 @@ def test_healthz_turns_503_when_the_embedded_beat_dies(engine, tmp_path):
     try:
         # healthy at start (a new worker has three intervals for its first cycle),
         # then because cycles complete
-        wait_until(lambda: healthz(port)[1].get("last_cycle_age_seconds") is not None, 30,
-                   "a cycle completed")  # fmt: skip
+        wait_until(
+            lambda: healthz(port)[1].get("last_cycle_age_seconds") is not None,
+            30,
+            "a cycle completed",
+        )
         code, body = healthz(port)
         assert code == 200 and set(body) >= KEYS
         assert body["status"] == "ok" and body["database"] == "reachable"
@@ -101,8 +104,12 @@ def test_healthz_turns_503_when_the_embedded_beat_dies(engine, tmp_path):
         # The pool still works: a cycle called by hand makes it healthy again.
         subprocess.run(
             [CELERY, "-A", "reaper", "call", "reaper.reap", "--expires", "60"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         wait_until(lambda: healthz(port)[0] == 200, 30, "healthy after a cycle by hand")
     finally:
         worker.stop()
@@ -125,8 +132,11 @@ def test_a_foreign_session_on_the_run_lock_turns_healthz_503_and_back(
     )
     conn = None
     try:
-        wait_until(lambda: healthz(port)[1].get("last_run_completed_age_seconds") is not None,
-                   30, "a run completed")  # fmt: skip
+        wait_until(
+            lambda: healthz(port)[1].get("last_run_completed_age_seconds") is not None,
+            30,
+            "a run completed",
+        )
         code, body = healthz(port)
         assert code == 200 and set(body) >= KEYS | CLOSING_KEYS
         assert body["closing_limit_seconds"] == limit
@@ -190,8 +200,11 @@ def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path, capsys):
     # budget (2 s): most ticks of both workers land inside a run and are skipped.
     with engine.begin() as conn:
         f.bulk_conferences(conn, 10_000, as_of=f.db_now(engine))
-    slow_runs = {"REAPER_BATCH_SIZE": "1", "REAPER_DRAIN_LANES": "1",
-                 "REAPER_MAX_RUN_DURATION": "2"}  # fmt: skip
+    slow_runs = {
+        "REAPER_BATCH_SIZE": "1",
+        "REAPER_DRAIN_LANES": "1",
+        "REAPER_MAX_RUN_DURATION": "2",
+    }
     ports = [free_port(), free_port()]
     workers = [
         Worker(tmp_path, worker_env(port, interval) | slow_runs, name=f"health-replica-{x}")
@@ -202,8 +215,11 @@ def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path, capsys):
         for worker in workers:
             worker.start()
         for port in ports:
-            wait_until(lambda p=port: healthz(p)[1].get("last_run_completed_age_seconds")
-                       is not None, 30, "a run completed")  # fmt: skip
+            wait_until(
+                lambda p=port: healthz(p)[1].get("last_run_completed_age_seconds") is not None,
+                30,
+                "a run completed",
+            )
         # three times the closing limit: long enough for it to trip if skipped
         # ticks counted against a replica
         end = time.monotonic() + 3 * CLOSING_INTERVALS * interval
@@ -216,8 +232,7 @@ def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path, capsys):
             worker.stop()
     unhealthy = [answer for answer in answers if answer[0] != 200]
     assert answers and not unhealthy, unhealthy[:3]
-    assert all(b["last_run_completed_age_seconds"] < b["closing_limit_seconds"]
-               for _, b in answers)  # fmt: skip
+    assert all(b["last_run_completed_age_seconds"] < b["closing_limit_seconds"] for _, b in answers)
     skipped = [len(output_events(log, "cycle.skipped")) for log in logs]
     completed = [len(output_events(log, "cycle.completed")) for log in logs]
     # both replicas were the skipping one at times, or the test proves nothing

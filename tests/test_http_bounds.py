@@ -130,8 +130,10 @@ def test_idle_and_trickling_clients_hold_no_thread_and_block_no_scrape(engine, t
 
         # More idle clients than the server gathers at once: the oldest go at
         # once, and a scrape still answers.
-        crowd += [socket.create_connection(("127.0.0.1", port), timeout=5)
-                  for _ in range(MAX_GATHERING + 20)]  # fmt: skip
+        crowd += [
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+            for _ in range(MAX_GATHERING + 20)
+        ]
         code, flood_took = get(port, "/metrics")
         assert code == 200 and flood_took < ANSWER_BOUND_S, flood_took
         evicted = [closed_by_server(sock, 1) for sock in crowd[-(MAX_GATHERING + 20) :][:20]]

@@ -34,8 +34,14 @@ def lines(stream: io.StringIO) -> list[dict]:
 
 def test_a_line_carries_its_event_level_logger_and_fields(captured: io.StringIO) -> None:
     when = datetime(2026, 12, 3, 6, 7, 8, 90, tzinfo=UTC)
-    log(get_logger("cycle"), "conference.reaped", conference_id="c1", duration_seconds=None,
-        ended_at=when, count=3)  # fmt: skip
+    log(
+        get_logger("cycle"),
+        "conference.reaped",
+        conference_id="c1",
+        duration_seconds=None,
+        ended_at=when,
+        count=3,
+    )
     [line] = lines(captured)
     assert line.pop("ts")
     assert line == {

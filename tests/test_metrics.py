@@ -192,8 +192,12 @@ def test_the_last_completed_run_is_measured_whoever_ran_it(settings, engine):
 
     # a cycle that is skipped (the lock held elsewhere) leaves it where it is
     with engine.connect() as holder_conn, holder_conn.begin():
-        holder_conn.execute(text("SELECT pg_advisory_xact_lock(hashtextextended("
-                                 "'messenger.conference-room-reaper', 0))"))  # fmt: skip
+        holder_conn.execute(
+            text(
+                "SELECT pg_advisory_xact_lock(hashtextextended("
+                "'messenger.conference-room-reaper', 0))"
+            )
+        )
         assert Reaper(settings, engine=engine).run_cycle(T0)["skipped"] is True
     assert value(LAST_RUN) == completed_at.timestamp()
 

@@ -225,9 +225,13 @@ def test_the_relay_publishes_through_pgbouncer_with_a_pool_of_two(
                     "INSERT INTO messenger.integration_outbox (event_id, topic, message_key,"
                     " payload) VALUES (:e, :t, :k, CAST(:p AS jsonb))"
                 ),
-                {"e": event_id, "t": topic, "k": keys[n % len(keys)],
-                 "p": json.dumps({"eventId": event_id, "n": n})},
-            )  # fmt: skip
+                {
+                    "e": event_id,
+                    "t": topic,
+                    "k": keys[n % len(keys)],
+                    "p": json.dumps({"eventId": event_id, "n": n}),
+                },
+            )
     with PgBouncer(database_url, pool_size=2) as bouncer:
         settings = Settings(
             database_url=bouncer.url,
@@ -321,10 +325,17 @@ def test_no_budget_reaches_another_client_of_the_same_pgbouncer(database_url, en
         try:
             wait_until(lambda: watcher.seen, 10, "the watcher's first read")
             done = run_cli(
-                "reap", "--once", "--json",
-                env=through(bouncer, REAPER_BATCH_SIZE="20", REAPER_DRAIN_LANES="4",
-                            REAPER_MAX_RUN_DURATION="90", REAPER_LOCK_TTL="180"),
-            )  # fmt: skip
+                "reap",
+                "--once",
+                "--json",
+                env=through(
+                    bouncer,
+                    REAPER_BATCH_SIZE="20",
+                    REAPER_DRAIN_LANES="4",
+                    REAPER_MAX_RUN_DURATION="90",
+                    REAPER_LOCK_TTL="180",
+                ),
+            )
         finally:
             watcher.stop()
         after = every_server_connection(bouncer)
@@ -351,9 +362,13 @@ def drain_through(
     with engine.begin() as conn:
         conn.execute(text("TRUNCATE messenger.conference_sessions, messenger.reaper_runs CASCADE"))
         f.bulk_conferences(conn, rooms, as_of=f.db_now(engine), idle=timedelta(minutes=5))
-    env = {"REAPER_DATABASE_URL": bouncer.url if bouncer else database_url,
-           "REAPER_BATCH_SIZE": "20", "REAPER_DRAIN_LANES": str(lanes),
-           "REAPER_MAX_RUN_DURATION": "90", "REAPER_LOCK_TTL": "180"}  # fmt: skip
+    env = {
+        "REAPER_DATABASE_URL": bouncer.url if bouncer else database_url,
+        "REAPER_BATCH_SIZE": "20",
+        "REAPER_DRAIN_LANES": str(lanes),
+        "REAPER_MAX_RUN_DURATION": "90",
+        "REAPER_LOCK_TTL": "180",
+    }
     done = run_cli("reap", "--once", "--json", env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)

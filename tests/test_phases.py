@@ -274,11 +274,13 @@ def test_every_running_recording_of_a_room_is_stopped_once(settings, engine):
     assert [due[0] for due in claim_due_stops(engine)] == sorted([first["id"], second["id"]])
     assert claim_due_stops(engine) == []  # claimed: leased to that pass, not due again
     with engine.connect() as conn:
-        events = {e["payload"]["payload"]["conferenceId"]: e["payload"]["payload"]
-                  for e in f.outbox(conn)}  # fmt: skip
+        events = {
+            e["payload"]["payload"]["conferenceId"]: e["payload"]["payload"] for e in f.outbox(conn)
+        }
     assert (events[room["id"]]["wasRecorded"], events[room["id"]]["recordingId"]) == (
-        True, second["id"]
-    )  # fmt: skip
+        True,
+        second["id"],
+    )
     assert (events[bare["id"]]["wasRecorded"], events[bare["id"]]["recordingId"]) == (False, None)
     assert len(events) == 2
 

@@ -150,9 +150,12 @@ def test_a_cycle_closes_exactly_what_the_three_predicates_select(
     controls = Controls(engine, config, bus=Bus())
     if policy is not None and policy != Policy(None, None, None):
         # the first tenant's; the second keeps the defaults
-        controls.set_policy(TENANTS[0], empty_room_grace=policy.grace,
-                            provision_timeout=policy.provision,
-                            stale_live_timeout=policy.stale)  # fmt: skip
+        controls.set_policy(
+            TENANTS[0],
+            empty_room_grace=policy.grace,
+            provision_timeout=policy.provision,
+            stale_live_timeout=policy.stale,
+        )
     if paused:
         controls.pause(sorted(paused), "the model's pause")
     with engine.begin() as conn:

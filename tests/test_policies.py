@@ -85,8 +85,9 @@ def test_a_longer_grace_keeps_that_tenants_empty_room_only(settings, engine, fac
     assert status_of(engine, kept) == ("Active", None)
     assert status_of(engine, stuck) == ("Failed", "Error")
     facts_now = reaped(facts)
-    assert_lateness(facts_now[closed["id"]], closed["last_activity_at"], timedelta(seconds=90),
-                    within)  # fmt: skip
+    assert_lateness(
+        facts_now[closed["id"]], closed["last_activity_at"], timedelta(seconds=90), within
+    )
     assert_lateness(facts_now[stuck["id"]], stuck["created_at"], timedelta(minutes=2), within)
 
     facts.clear()
@@ -95,8 +96,9 @@ def test_a_longer_grace_keeps_that_tenants_empty_room_only(settings, engine, fac
     assert result["empty_timeout_count"] == 1
     assert status_of(engine, kept) == ("Ended", "EmptyTimeout")
     # eligible from last activity + A's 10 min, not + 90 s
-    assert_lateness(reaped(facts)[kept["id"]], kept["last_activity_at"], timedelta(minutes=10),
-                    within)  # fmt: skip
+    assert_lateness(
+        reaped(facts)[kept["id"]], kept["last_activity_at"], timedelta(minutes=10), within
+    )
 
 
 def test_a_longer_provision_timeout_keeps_that_tenants_room_provisioning(settings, engine, facts):
@@ -108,8 +110,7 @@ def test_a_longer_provision_timeout_keeps_that_tenants_room_provisioning(setting
     assert result["provision_failed_count"] == 1
     assert status_of(engine, failed) == ("Failed", "Error")
     assert status_of(engine, kept) == ("Provisioning", None)
-    assert_lateness(reaped(facts)[failed["id"]], failed["created_at"], timedelta(minutes=2),
-                    within)  # fmt: skip
+    assert_lateness(reaped(facts)[failed["id"]], failed["created_at"], timedelta(minutes=2), within)
 
     facts.clear()
     result, within = cycle(settings, engine, T0 + timedelta(minutes=6))
@@ -123,14 +124,18 @@ def test_stale_live_closes_earlier_or_later_by_the_tenants_timeout(settings, eng
     controls.set_policy(A, stale_live_timeout=timedelta(hours=1))  # shorter than 4 h
     controls.set_policy(C, stale_live_timeout=timedelta(hours=6))  # longer
     with engine.begin() as conn:  # people "in", heartbeats stopped
-        early = f.conference(conn, idle=timedelta(hours=2), age=timedelta(hours=3),
-                             participants=2, tenant_id=A)  # fmt: skip
-        default_young = f.conference(conn, idle=timedelta(hours=2), age=timedelta(hours=3),
-                                     participants=2, tenant_id=B)  # fmt: skip
-        default_old = f.conference(conn, idle=timedelta(hours=5), age=timedelta(hours=6),
-                                   participants=2, tenant_id=B)  # fmt: skip
-        late = f.conference(conn, idle=timedelta(hours=5), age=timedelta(hours=6),
-                            participants=2, tenant_id=C)  # fmt: skip
+        early = f.conference(
+            conn, idle=timedelta(hours=2), age=timedelta(hours=3), participants=2, tenant_id=A
+        )
+        default_young = f.conference(
+            conn, idle=timedelta(hours=2), age=timedelta(hours=3), participants=2, tenant_id=B
+        )
+        default_old = f.conference(
+            conn, idle=timedelta(hours=5), age=timedelta(hours=6), participants=2, tenant_id=B
+        )
+        late = f.conference(
+            conn, idle=timedelta(hours=5), age=timedelta(hours=6), participants=2, tenant_id=C
+        )
         for _ in range(10):  # live rooms: the guard's share stays low
             f.conference(conn, idle=timedelta(minutes=1), participants=2)
     result, within = cycle(settings, engine, T0)
@@ -141,16 +146,16 @@ def test_stale_live_closes_earlier_or_later_by_the_tenants_timeout(settings, eng
     assert status_of(engine, late) == ("Active", None)  # after the default would
     now = reaped(facts)
     assert_lateness(now[early["id"]], early["last_activity_at"], timedelta(hours=1), within)
-    assert_lateness(now[default_old["id"]], default_old["last_activity_at"], timedelta(hours=4),
-                    within)  # fmt: skip
+    assert_lateness(
+        now[default_old["id"]], default_old["last_activity_at"], timedelta(hours=4), within
+    )
 
     facts.clear()
     result, within = cycle(settings, engine, T0 + timedelta(hours=1, minutes=1))
     assert result["stale_timeout_count"] == 1
     assert status_of(engine, late) == ("Ended", "Timeout")
     assert status_of(engine, default_young) == ("Active", None)  # 3 h 1 min < 4 h
-    assert_lateness(reaped(facts)[late["id"]], late["last_activity_at"], timedelta(hours=6),
-                    within)  # fmt: skip
+    assert_lateness(reaped(facts)[late["id"]], late["last_activity_at"], timedelta(hours=6), within)
 
 
 def test_a_policy_is_read_by_the_next_cycle_and_unset_restores_the_defaults(settings, engine):
@@ -239,12 +244,18 @@ PHASE_OF = {
 
 
 def set_mixed_policies(controls: Controls) -> None:
-    controls.set_policy(A, empty_room_grace=timedelta(minutes=10),
-                        provision_timeout=timedelta(minutes=10),
-                        stale_live_timeout=timedelta(hours=6))  # fmt: skip
-    controls.set_policy(C, empty_room_grace=timedelta(seconds=30),
-                        provision_timeout=timedelta(minutes=1),
-                        stale_live_timeout=timedelta(hours=1))  # fmt: skip
+    controls.set_policy(
+        A,
+        empty_room_grace=timedelta(minutes=10),
+        provision_timeout=timedelta(minutes=10),
+        stale_live_timeout=timedelta(hours=6),
+    )
+    controls.set_policy(
+        C,
+        empty_room_grace=timedelta(seconds=30),
+        provision_timeout=timedelta(minutes=1),
+        stale_live_timeout=timedelta(hours=1),
+    )
 
 
 def test_plan_lists_exactly_what_the_next_cycle_closes_with_policies(settings, engine):
@@ -258,8 +269,9 @@ def test_plan_lists_exactly_what_the_next_cycle_closes_with_policies(settings, e
         for c in p["conferences"]
     }
     assert listed == WILL_CLOSE
-    by_name = {name_of[c["conference_id"]]: c for p in planned["phases"].values()
-               for c in p["conferences"]}  # fmt: skip
+    by_name = {
+        name_of[c["conference_id"]]: c for p in planned["phases"].values() for c in p["conferences"]
+    }
     assert by_name["c:empty_60s"]["window_seconds"] == 30
     assert by_name["c:empty_60s"]["tenant_policy"]
     assert "grace 30s, tenant policy" in by_name["c:empty_60s"]["reason"]
@@ -309,8 +321,9 @@ def test_the_guard_counts_with_the_tenant_windows(settings, engine, caplog):
     caplog.set_level(logging.INFO, "reaper")
     with engine.begin() as conn:  # 30 of 40 live rooms idle 2 h: stale only for tenant A
         for _ in range(30):
-            f.conference(conn, idle=timedelta(hours=2), age=timedelta(hours=3), participants=2,
-                         tenant_id=A)  # fmt: skip
+            f.conference(
+                conn, idle=timedelta(hours=2), age=timedelta(hours=3), participants=2, tenant_id=A
+            )
         for _ in range(10):
             f.conference(conn, idle=timedelta(minutes=1), participants=2)
     facts = FactRecorder(process_bus, PhaseMassClosure)
@@ -331,8 +344,13 @@ def test_the_guard_counts_with_the_tenant_windows(settings, engine, caplog):
 def test_a_longer_stale_timeout_keeps_rooms_out_of_the_guards_count(settings, engine):
     with engine.begin() as conn:  # 30 rooms stale by the default, 25 of them tenant C's
         for tenant in [C] * 25 + [B] * 5:
-            f.conference(conn, idle=timedelta(hours=5), age=timedelta(hours=6), participants=2,
-                         tenant_id=tenant)  # fmt: skip
+            f.conference(
+                conn,
+                idle=timedelta(hours=5),
+                age=timedelta(hours=6),
+                participants=2,
+                tenant_id=tenant,
+            )
         for _ in range(10):
             f.conference(conn, idle=timedelta(minutes=1), participants=2)
     Controls(engine, settings).set_policy(C, stale_live_timeout=timedelta(hours=6))
@@ -350,8 +368,10 @@ def test_set_merges_into_the_tenants_policy_and_tells_who(settings, engine, fact
     assert first.tenant_id == A  # canonical form
     second = controls.set_policy(A, stale_live_timeout=timedelta(hours=6))
     assert (second.empty_room_grace, second.provision_timeout, second.stale_live_timeout) == (
-        timedelta(minutes=10), None, timedelta(hours=6)
-    )  # fmt: skip
+        timedelta(minutes=10),
+        None,
+        timedelta(hours=6),
+    )
     [row] = policies(engine)
     assert row["updated_by"] == "alice" and row["updated_at"] == second.updated_at
     # stored as seconds (no day part): as_of - window is exact in any time zone
@@ -363,15 +383,20 @@ def test_set_merges_into_the_tenants_policy_and_tells_who(settings, engine, fact
     assert stored == "168:00:00"
     logged = log_events(caplog, "control.policy_set")
     assert logged[0] == {
-        "tenant_id": A, "empty_room_grace_seconds": 600.0, "provision_timeout_seconds": None,
-        "stale_live_timeout_seconds": None, "updated_at": logged[0]["updated_at"],
+        "tenant_id": A,
+        "empty_room_grace_seconds": 600.0,
+        "provision_timeout_seconds": None,
+        "stale_live_timeout_seconds": None,
+        "updated_at": logged[0]["updated_at"],
         "updated_by": "alice",
-    }  # fmt: skip
+    }
     controls.unset_policy(A)
     [gone] = log_events(caplog, "control.policy_unset")
     assert (gone["tenant_id"], gone["unset_by"], gone["stale_live_timeout_seconds"]) == (
-        A, "alice", 7 * 86400.0
-    )  # fmt: skip
+        A,
+        "alice",
+        7 * 86400.0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -490,8 +515,17 @@ def stderr_events(stderr: str, name: str) -> list[dict[str, Any]]:
 @pytest.mark.process
 def test_policy_set_list_unset_round_trip(engine):
     env = {"REAPER_OPERATOR": "alice"}
-    done = run_cli("policy", "set", "--tenant", A, "--empty-room-grace", "PT10M",
-                   "--stale-live-timeout", "21600", env=env)  # fmt: skip
+    done = run_cli(
+        "policy",
+        "set",
+        "--tenant",
+        A,
+        "--empty-room-grace",
+        "PT10M",
+        "--stale-live-timeout",
+        "21600",
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (
         f"set the policy of tenant {A}: empty_room_grace 10m, provision_timeout default (2m),"
@@ -592,8 +626,9 @@ def test_the_worker_keeps_a_tenants_room_until_its_policy_is_unset(engine, tmp_p
         with engine.begin() as conn:  # identical rooms, empty for 10 s
             kept = f.conference(conn, as_of=now, idle=timedelta(seconds=10), tenant_id=A)
             closed = f.conference(conn, as_of=now, idle=timedelta(seconds=10), tenant_id=B)
-        wait_until(lambda: f.session_row_status(engine, closed["id"]) == "Ended", 30,
-                   "B's room closed")  # fmt: skip
+        wait_until(
+            lambda: f.session_row_status(engine, closed["id"]) == "Ended", 30, "B's room closed"
+        )
 
         def cycles() -> int:
             return count_events(worker.output(), "cycle.completed")
@@ -603,8 +638,11 @@ def test_the_worker_keeps_a_tenants_room_until_its_policy_is_unset(engine, tmp_p
         assert f.session_row_status(engine, kept["id"]) == "Active"
         unset = run_cli("policy", "unset", "--tenant", A)
         assert unset.returncode == 0, unset.stderr
-        wait_until(lambda: f.session_row_status(engine, kept["id"]) == "Ended", 15,
-                   "A's room closed after the unset")  # fmt: skip
+        wait_until(
+            lambda: f.session_row_status(engine, kept["id"]) == "Ended",
+            15,
+            "A's room closed after the unset",
+        )
     finally:
         worker.stop()
     with engine.connect() as conn:

@@ -430,8 +430,9 @@ def test_tenant_windows_widen_the_range_and_probe_each_row_by_key(
     for node, _ in nodes(plan):
         if node.get("Relation Name") == "reaper_tenant_policies":
             if (node["Node Type"], node.get("Index Name")) != (
-                "Index Scan", "reaper_tenant_policies_pkey"
-            ) or "tenant_id = " not in node.get("Index Cond", ""):  # fmt: skip
+                "Index Scan",
+                "reaper_tenant_policies_pkey",
+            ) or "tenant_id = " not in node.get("Index Cond", ""):
                 found.append(f"{node['Node Type']} of reaper_tenant_policies")
             probes += 1
         if node.get("Index Name") == index and "SubPlan" in node.get("Index Cond", ""):
@@ -454,13 +455,21 @@ def test_the_census_counts_what_the_claims_would_select(seeded: Engine, policies
         def claimable(phase: str) -> int:
             rows = conn.execute(
                 load()["batch_candidates"],
-                {"phase": phase, "as_of": T0, **bounds(conn, T0), "batch_size": 1_000_000,
-                 "excluded": [], "only": None},
-            )  # fmt: skip
+                {
+                    "phase": phase,
+                    "as_of": T0,
+                    **bounds(conn, T0),
+                    "batch_size": 1_000_000,
+                    "excluded": [],
+                    "only": None,
+                },
+            )
             return len(rows.all())
 
-        cutoffs = {f"{short}_cutoff": T0 - window for short, window in
-                   zip(("empty", "provision", "stale"), windows.values(), strict=True)}  # fmt: skip
+        cutoffs = {
+            f"{short}_cutoff": T0 - window
+            for short, window in zip(("empty", "provision", "stale"), windows.values(), strict=True)
+        }
         census = conn.execute(load()["eligible_census"], {"as_of": T0, **cutoffs}).one()
         guard = conn.execute(
             load()["stale_live_eligible"],

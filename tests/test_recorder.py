@@ -294,9 +294,11 @@ def test_one_pass_at_a_time_another_is_skipped(settings, engine, recorder, caplo
     stop_pass = StopPass(settings, engine=engine, bus=bus)
     with engine.begin() as conn:  # a running pass's lock
         held = conn.execute(
-            text("SELECT pg_try_advisory_xact_lock(hashtextextended("
-                 "'messenger.conference-room-reaper.recorder', 0))")
-        ).scalar()  # fmt: skip
+            text(
+                "SELECT pg_try_advisory_xact_lock(hashtextextended("
+                "'messenger.conference-room-reaper.recorder', 0))"
+            )
+        ).scalar()
         assert held
         assert stop_pass.running()
         sent = stop_pass.run()

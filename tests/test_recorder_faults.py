@@ -148,8 +148,18 @@ def seed_recorded_room(engine, as_of=None):
     return room, recording
 
 
-MODES = ["garbage", "reset", "silent", "trickle", "redirect", "truncated", "bad-status",
-         "endless-header", "tls", "huge"]  # fmt: skip
+MODES = [
+    "garbage",
+    "reset",
+    "silent",
+    "trickle",
+    "redirect",
+    "truncated",
+    "bad-status",
+    "endless-header",
+    "tls",
+    "huge",
+]
 
 
 @pytest.mark.parametrize("raw_recorder", MODES, indirect=True)
@@ -199,8 +209,12 @@ def test_reap_once_completes_whatever_the_recorder_answers(engine, raw_recorder)
         for room in rooms:
             f.recording(conn, room["id"], status="Recording")
         stuck = f.conference(conn, as_of=now, status="Provisioning", age=timedelta(minutes=5))
-    done = run_cli("reap", "--once", "--json", env={"REAPER_RECORDER_URL": raw_recorder.url,
-                                                    "REAPER_BATCH_SIZE": "1"})  # fmt: skip
+    done = run_cli(
+        "reap",
+        "--once",
+        "--json",
+        env={"REAPER_RECORDER_URL": raw_recorder.url, "REAPER_BATCH_SIZE": "1"},
+    )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
     result = json.loads(done.stdout)
@@ -274,8 +288,10 @@ def recording_row(engine, recording_id: str) -> dict:
         return dict(
             conn.execute(
                 text("SELECT * FROM messenger.call_recordings WHERE id = :id"), {"id": recording_id}
-            ).mappings().one()
-        )  # fmt: skip
+            )
+            .mappings()
+            .one()
+        )
 
 
 @pytest.mark.process
@@ -288,10 +304,12 @@ def test_a_signal_not_taken_is_retried_with_backoff_within_the_window(engine):
     with engine.begin() as conn:  # closed 20 min ago: outside the 15 min window
         old, old_recording = f.conference(conn, as_of=now - timedelta(minutes=20)), None
         conn.execute(
-            text("UPDATE messenger.conference_sessions SET status = 'Ended',"
-                 " end_reason = 'EmptyTimeout', ended_at = :t WHERE id = :id"),
+            text(
+                "UPDATE messenger.conference_sessions SET status = 'Ended',"
+                " end_reason = 'EmptyTimeout', ended_at = :t WHERE id = :id"
+            ),
             {"t": now - timedelta(minutes=20), "id": old["id"]},
-        )  # fmt: skip
+        )
         old_recording = f.recording(conn, old["id"], status="Recording")
 
     first = run_cli("reap", "--once", env=env)  # the signal after the commit: refused
@@ -314,8 +332,10 @@ def test_a_signal_not_taken_is_retried_with_backoff_within_the_window(engine):
     assert gaps[0] >= 2.5 and gaps[1] >= 5.0, gaps  # 2.5 s, then 5 s: exponential
     # outside the window: never tried
     assert recording_row(engine, old_recording["id"])["stop_attempts"] == 0
-    print(f"\n[figures] stop signal refused twice, retried after {gaps[0]:.1f}s and "
-          f"{gaps[1]:.1f}s (back-off 2.5 s doubling), taken on the third call")  # fmt: skip
+    print(
+        f"\n[figures] stop signal refused twice, retried after {gaps[0]:.1f}s and "
+        f"{gaps[1]:.1f}s (back-off 2.5 s doubling), taken on the third call"
+    )
 
 
 @pytest.mark.process
@@ -344,8 +364,10 @@ def test_reap_once_beside_a_trickling_recorder_ends_within_its_bound(engine, raw
     # (budgets.stop_pass) three. The rest: the process's start and its cycle.
     assert sent["duration_ms"] < (timeout + 1) * 1000, sent
     assert took < 3 * timeout + 8, took
-    print(f"\n[figures] reap --once beside a trickling recorder: exited after {took:.1f}s "
-          f"(stop pass {sent['duration_ms']} ms)")  # fmt: skip
+    print(
+        f"\n[figures] reap --once beside a trickling recorder: exited after {took:.1f}s "
+        f"(stop pass {sent['duration_ms']} ms)"
+    )
 
 
 def seed_rooms_closing_one_per_second(engine, seconds: int) -> None:
@@ -393,8 +415,12 @@ def test_a_workers_cycles_keep_their_pace_beside_a_trickling_recorder(
         recorder.port = recorder.sock.getsockname()[1]
         threading.Thread(target=recorder.serve, daemon=True).start()
         with engine.begin() as conn:
-            conn.execute(text("TRUNCATE messenger.call_recordings, messenger.reaper_runs,"
-                              " messenger.conference_sessions CASCADE"))  # fmt: skip
+            conn.execute(
+                text(
+                    "TRUNCATE messenger.call_recordings, messenger.reaper_runs,"
+                    " messenger.conference_sessions CASCADE"
+                )
+            )
         seed_rooms_closing_one_per_second(engine, int(window) + 40)
         worker = Worker(tmp_path, {**env, "REAPER_RECORDER_URL": recorder.url}, name=mode)
         try:
@@ -407,15 +433,21 @@ def test_a_workers_cycles_keep_their_pace_beside_a_trickling_recorder(
         # the signals went out, from the worker's reaper.stop_recordings task
         assert '"recorder.pass_completed"' in output
         with engine.connect() as conn:
-            taken = conn.execute(text("SELECT count(*) FROM messenger.call_recordings"
-                                      " WHERE stop_requested_at IS NOT NULL")).scalar()  # fmt: skip
+            taken = conn.execute(
+                text(
+                    "SELECT count(*) FROM messenger.call_recordings"
+                    " WHERE stop_requested_at IS NOT NULL"
+                )
+            ).scalar()
         if mode == "ok":
             assert taken > 0
         else:
             assert taken == 0 and '"recorder.stop_failed"' in output
-    print(f"\n[figures] cycles completed in {window:.0f}s at REAPER_POLLING_INTERVAL=1s: "
-          f"{paces['ok']} beside a recorder that answers, {paces['trickle']} beside a "
-          f"trickling one")  # fmt: skip
+    print(
+        f"\n[figures] cycles completed in {window:.0f}s at REAPER_POLLING_INTERVAL=1s: "
+        f"{paces['ok']} beside a recorder that answers, {paces['trickle']} beside a "
+        f"trickling one"
+    )
     assert paces["ok"] >= window / 2, paces  # the interval's pace, give or take a shared CPU
     assert paces["trickle"] >= 0.75 * paces["ok"], paces
 
@@ -449,16 +481,19 @@ def test_eight_lanes_drain_20000_recorded_rooms_beside_a_refusing_recorder(engin
     result = json.loads(done.stdout)
     assert result["empty_timeout_count"] == 20_000 and result["failed_count"] == 0
     with engine.connect() as conn:
-        open_rooms = conn.execute(text("SELECT count(*) FROM messenger.conference_sessions"
-                                       " WHERE status <> 'Ended'")).scalar()  # fmt: skip
+        open_rooms = conn.execute(
+            text("SELECT count(*) FROM messenger.conference_sessions WHERE status <> 'Ended'")
+        ).scalar()
     assert open_rooms == 0
     [sent] = output_events(done.stderr, "recorder.pass_completed")
     assert sent["requested"] > 0 and sent["taken"] == 0
     assert count_events(done.stderr, "recorder.stop_failed") == sent["failed"] == sent["requested"]
     assert sent["duration_ms"] < (3 * 2 + 5) * 1000, sent  # budgets.stop_pass, its marks
-    print(f"\n[figures] 20,000 recorded rooms at 8 lanes, recorder refusing: reap --once "
-          f"{took:.1f}s (cycle {result['duration_ms']} ms, stop pass {sent['duration_ms']} ms: "
-          f"{sent['requested']} signals sent, {sent['unsent']} left due)")  # fmt: skip
+    print(
+        f"\n[figures] 20,000 recorded rooms at 8 lanes, recorder refusing: reap --once "
+        f"{took:.1f}s (cycle {result['duration_ms']} ms, stop pass {sent['duration_ms']} ms: "
+        f"{sent['requested']} signals sent, {sent['unsent']} left due)"
+    )
 
 
 @pytest.mark.process
@@ -476,8 +511,11 @@ def test_a_cycle_that_closes_a_recorded_room_sends_its_stop_right_after(
     }
     worker = Worker(tmp_path, env, name="stops").start()
     try:
-        worker.wait_for(lambda out: '"recorder.pass_completed"' in out or
-                        "reaper.stop_recordings" in out, 30, "the first stop pass")  # fmt: skip
+        worker.wait_for(
+            lambda out: '"recorder.pass_completed"' in out or "reaper.stop_recordings" in out,
+            30,
+            "the first stop pass",
+        )
         time.sleep(1.0)  # past the beat's first tick of stop-recordings
         now = f.db_now(engine)
         with engine.begin() as conn:

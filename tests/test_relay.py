@@ -374,8 +374,9 @@ def test_a_later_event_goes_only_after_its_parked_predecessor(
     assert (still.published, still.parked, still.pending) == (0, 1, 1)
 
     assert requeue() == 1
-    fixed = make_relay(small.model_copy(update={"kafka_max_request_size": 1_048_576}),
-                       engine, producers)  # fmt: skip
+    fixed = make_relay(
+        small.model_copy(update={"kafka_max_request_size": 1_048_576}), engine, producers
+    )
     done = fixed.run()
     assert (done.published, done.parked, done.pending, done.outbox_parked) == (2, 0, 0, 0)
     records = read_topic(kafka_broker, topic, expect=6)
@@ -721,9 +722,12 @@ def test_a_kafka_outage_longer_than_the_attempts_parks_nothing(database_url, eng
     """Measured before: every pass during an outage charged each row an attempt,
     so an outage of ~15 min (20 attempts with back-off) parked the whole backlog."""
     settings = relay_settings(
-        database_url, f"127.0.0.1:{free_port()}", "t", kafka_timeout=timedelta(seconds=2),
+        database_url,
+        f"127.0.0.1:{free_port()}",
+        "t",
+        kafka_timeout=timedelta(seconds=2),
         relay_max_attempts=2,
-    )  # fmt: skip
+    )
     with engine.begin() as conn:
         for i in range(3):
             add_outbox_row(conn, topic="t", key=f"k{i}")

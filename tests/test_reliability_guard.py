@@ -137,9 +137,7 @@ def test_override_lets_one_run_through_and_says_so(settings, engine, caplog):
 def test_share_of_one_turns_the_guard_off(database_url, engine):
     settings = Settings(database_url=database_url, mass_closure_share=1)
     seed(engine, stale=30, fresh=0)
-    assert (
-        Reaper(settings, engine=engine).run_cycle(T0)["stale_timeout_count"] == 30
-    )
+    assert Reaper(settings, engine=engine).run_cycle(T0)["stale_timeout_count"] == 30
 
 
 def test_poison_rows_do_not_count_as_eligible(database_url, refusing_database, caplog):

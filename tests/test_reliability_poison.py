@@ -81,6 +81,7 @@ ODD: dict[str, tuple[dict[str, Any], Callable[[Connection, dict], None] | None]]
 
 REFUSED = 3  # rows the database refuses, among the oldest of the batch order
 
+
 def seed(
     conn: Connection, base: dict[str, Any]
 ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
@@ -159,8 +160,7 @@ def test_anomalies_are_closed_and_only_refused_rows_are_poison(
         ).scalar_one()
         durations = {i: f.session_row(conn, i)["duration_seconds"] for i in closing}
         payloads = {
-            e["payload"]["payload"]["conferenceId"]: e["payload"]["payload"]
-            for e in f.outbox(conn)
+            e["payload"]["payload"]["conferenceId"]: e["payload"]["payload"] for e in f.outbox(conn)
         }
     assert {states[i] for i in refused} == {("Active", None)}
     assert {states[i] for i in closing} == {("Ended", reason)}

@@ -215,9 +215,12 @@ def test_the_stop_pass_claims_and_marks_as_a_worker_login(settings, engine, work
     assert (sent.requested, sent.taken, sent.skipped) == (1, 0, False)
     with engine.connect() as conn:
         row = conn.execute(
-            text("SELECT stop_attempts, stop_next_attempt_at FROM messenger.call_recordings"
-                 " WHERE id = :id"), {"id": recording["id"]},
-        ).one()  # fmt: skip
+            text(
+                "SELECT stop_attempts, stop_next_attempt_at FROM messenger.call_recordings"
+                " WHERE id = :id"
+            ),
+            {"id": recording["id"]},
+        ).one()
     assert row.stop_attempts == 1 and row.stop_next_attempt_at is not None
 
 

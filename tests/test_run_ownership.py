@@ -189,8 +189,13 @@ def test_a_dead_owner_is_taken_over_within_its_lease(settings, engine):
         os.kill(os.getpid(), signal.SIGSTOP)
         """
     )
-    owner = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         dead_run = owner.stdout.readline().strip()
         assert dead_run, owner.stderr.read() if owner.poll() is not None else "no run id"
@@ -218,4 +223,3 @@ def test_a_dead_owner_is_taken_over_within_its_lease(settings, engine):
     print(
         f"\n[figures] a killed owner's run taken over {took:.2f}s after its death (lease {lease}s)"
     )
-

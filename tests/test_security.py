@@ -152,21 +152,30 @@ EXPECTED_UPDATE_COLUMNS = {
 def test_worker_role_has_exactly_what_it_needs(engine):
     with engine.connect() as conn:
         role = conn.execute(
-            text("SELECT rolcanlogin, rolsuper, rolcreaterole, rolcreatedb FROM pg_roles"
-                 " WHERE rolname = :r"),
+            text(
+                "SELECT rolcanlogin, rolsuper, rolcreaterole, rolcreatedb FROM pg_roles"
+                " WHERE rolname = :r"
+            ),
             {"r": ROLE},
-        ).one()  # fmt: skip
+        ).one()
         assert tuple(role) == (False, False, False, False)
         for table in TABLES:
             granted = {
                 p
-                for p in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES",
-                          "TRIGGER")
+                for p in (
+                    "SELECT",
+                    "INSERT",
+                    "UPDATE",
+                    "DELETE",
+                    "TRUNCATE",
+                    "REFERENCES",
+                    "TRIGGER",
+                )
                 if conn.execute(
                     text("SELECT has_table_privilege(:r, :t, :p)"),
                     {"r": ROLE, "t": f"messenger.{table}", "p": p},
                 ).scalar()
-            }  # fmt: skip
+            }
             assert granted == EXPECTED_TABLE_PRIVILEGES[table], table
             columns = set(
                 conn.execute(
@@ -210,15 +219,21 @@ def login_url(database_url: str, engine: Engine) -> Iterator[str]:
 def seed_everything(engine: Engine, as_of: datetime) -> dict[str, Any]:
     with engine.begin() as conn:
         empty = f.conference(conn, as_of=as_of, idle=timedelta(minutes=5))
-        f.participant(conn, empty["id"], joined_at=as_of - timedelta(minutes=20),
-                      left_at=as_of - timedelta(minutes=5))  # fmt: skip
+        f.participant(
+            conn,
+            empty["id"],
+            joined_at=as_of - timedelta(minutes=20),
+            left_at=as_of - timedelta(minutes=5),
+        )
         recorded = f.conference(conn, as_of=as_of, idle=timedelta(minutes=5))
         f.recording(conn, recorded["id"], status="Recording", created_at=as_of)
-        stale = f.conference(conn, as_of=as_of, idle=timedelta(hours=5), participants=1,
-                             age=timedelta(hours=6))  # fmt: skip
+        stale = f.conference(
+            conn, as_of=as_of, idle=timedelta(hours=5), participants=1, age=timedelta(hours=6)
+        )
         f.participant(conn, stale["id"], joined_at=as_of - timedelta(hours=6))
-        provisioning = f.conference(conn, status="Provisioning", as_of=as_of,
-                                    age=timedelta(minutes=10))  # fmt: skip
+        provisioning = f.conference(
+            conn, status="Provisioning", as_of=as_of, age=timedelta(minutes=10)
+        )
     return {"ended": [empty, recorded, stale], "failed": [provisioning]}
 
 
@@ -279,12 +294,32 @@ def test_a_cycle_and_a_relay_pass_run_as_a_member_of_the_role(engine, login_url,
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
 ENUMS = {
-    "Audio", "Video", "Provisioning", "Active", "Ended", "Failed", "Normal", "EmptyTimeout",
-    "Timeout", "Error", "ConferenceEnded", "ConferenceSignal", "ChatGroup", "Conference",
-    "Pending", "Recording", "Uploading", "Available", "pin.messenger.conference-ended.v1",
-    "empty_room", "provision_timeout", "stale_live", "empty_timeout", "provision_failed",
+    "Audio",
+    "Video",
+    "Provisioning",
+    "Active",
+    "Ended",
+    "Failed",
+    "Normal",
+    "EmptyTimeout",
+    "Timeout",
+    "Error",
+    "ConferenceEnded",
+    "ConferenceSignal",
+    "ChatGroup",
+    "Conference",
+    "Pending",
+    "Recording",
+    "Uploading",
+    "Available",
+    "pin.messenger.conference-ended.v1",
+    "empty_room",
+    "provision_timeout",
+    "stale_live",
+    "empty_timeout",
+    "provision_failed",
     "stale_timeout",
-}  # fmt: skip
+}
 EMAIL = re.compile(r"[\w.+-]+@[\w-]+\.[\w.]+")
 TOKEN = re.compile(r"(eyJ[\w-]{10,}\.[\w-]{10,})|(\b[A-Za-z0-9+/]{40,}={0,2})")
 
@@ -357,9 +392,13 @@ def test_a_full_cycle_writes_and_emits_only_ids_and_no_secrets(
     cli_env = {**os.environ, **env}
     for args in (["status", "--json"], ["plan", "--json"], ["reap", "--once", "--json"]):
         done = subprocess.run(
-            [str(BIN / "reaper"), *args], env=cli_env, capture_output=True, text=True,
-            timeout=60, cwd=ROOT,
-        )  # fmt: skip
+            [str(BIN / "reaper"), *args],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert done.returncode == 0, done.stderr
         outputs[f"reaper {' '.join(args)}"] = done.stdout + done.stderr
     # the database unreachable: the error lines name the server, never the password
@@ -378,8 +417,9 @@ def test_a_full_cycle_writes_and_emits_only_ids_and_no_secrets(
         problems += [f"{where}: e-mail {m!r}" for m in EMAIL.findall(out) if "@%h" not in m]
         problems += [f"{where}: token-like {m!r}" for m in TOKEN.findall(out)]
 
-    events = [json.loads(line) for line in outputs["worker log"].splitlines()
-              if line.startswith('{"ts"')]  # fmt: skip
+    events = [
+        json.loads(line) for line in outputs["worker log"].splitlines() if line.startswith('{"ts"')
+    ]
     assert {"conference.reaped", "relay.published", "recorder.stop_failed"} <= {
         e["event"] for e in events
     }
@@ -391,9 +431,16 @@ def test_a_full_cycle_writes_and_emits_only_ids_and_no_secrets(
     with engine.connect() as conn:
         integration = [r["payload"] for r in f.outbox(conn)]
         realtime = [r["payload"] for r in f.realtime(conn)]
-        errors = conn.execute(
-            text("SELECT last_error FROM messenger.integration_outbox WHERE last_error IS NOT NULL")
-        ).scalars().all()  # fmt: skip
+        errors = (
+            conn.execute(
+                text(
+                    "SELECT last_error FROM messenger.integration_outbox"
+                    " WHERE last_error IS NOT NULL"
+                )
+            )
+            .scalars()
+            .all()
+        )
     for i, payload in enumerate(integration):
         problems += strict(payload, f"integration_outbox[{i}]", topic)
     for i, payload in enumerate(realtime):
@@ -448,18 +495,35 @@ def test_postgres_tls_parameters_reach_psycopg2(tls_pg, tmp_path):
     done = subprocess.run(
         [str(BIN / "reaper"), "reap", "--once", "--json"],
         env={**os.environ, "REAPER_DATABASE_URL": verified},
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["skipped"] is False
 
     # verification really happens: another CA is refused, and so is a wrong host name
     other = tmp_path / "other-ca.crt"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=other", "-keyout", str(tmp_path / "k"), "-out", str(other)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=other",
+            "-keyout",
+            str(tmp_path / "k"),
+            "-out",
+            str(other),
+        ],
+        check=True,
+        capture_output=True,
+    )
     for query in (
         f"sslmode=verify-full&sslrootcert={other}",
         f"sslmode=verify-full&sslrootcert={ca}&host=127.0.0.2",

@@ -142,9 +142,10 @@ def test_beat_closes_rooms_within_the_slo(engine, tmp_path, phase):
                     rooms.append(f.conference(conn, as_of=f.db_now(engine), idle=timedelta(0)))
                 else:
                     rooms.append(
-                        f.conference(conn, as_of=f.db_now(engine), status="Provisioning",
-                                     age=timedelta(0))
-                    )  # fmt: skip
+                        f.conference(
+                            conn, as_of=f.db_now(engine), status="Provisioning", age=timedelta(0)
+                        )
+                    )
             time.sleep(0.37)
         wait_until(
             lambda: all(status_of(engine, r["id"]) in ("Ended", "Failed") for r in rooms),
@@ -157,11 +158,17 @@ def test_beat_closes_rooms_within_the_slo(engine, tmp_path, phase):
             ]
         label = f'phase="{phase}"'
         histogram = wait_until(
-            lambda: (lambda m: m if m.get(f"messenger_conf_reaper_closing_lateness_seconds_count"
-                                           f"{{{label}}}") == 4 else None)(scrape(port)),
+            lambda: (
+                lambda m: (
+                    m
+                    if m.get(f"messenger_conf_reaper_closing_lateness_seconds_count{{{label}}}")
+                    == 4
+                    else None
+                )
+            )(scrape(port)),
             15,
             "the lateness of all four on /metrics",
-        )  # fmt: skip
+        )
         print(
             f"\n[figures] {phase}: closed {max(lateness):.2f}s at most after {since} "
             f"(SLO: window {window}s + interval {interval}s)"
@@ -334,9 +341,14 @@ def test_runners_bypassing_the_lock_still_reap_each_room_once(database_url, engi
         while True:  # keep going until nothing is left for anyone
             with transaction(engine, budgets.batch(settings)) as queries:
                 outcome = reap_batch(
-                    queries, EMPTY_ROOM, settings, as_of=f.T0, run_id=run_id,
-                    holder_pid=holder_pid, excluded=[],
-                )  # fmt: skip
+                    queries,
+                    EMPTY_ROOM,
+                    settings,
+                    as_of=f.T0,
+                    run_id=run_id,
+                    holder_pid=holder_pid,
+                    excluded=[],
+                )
             assert not outcome.fenced
             per_runner[index] += len(outcome.reaped)
             if not outcome.claimed and not outcome.locked:

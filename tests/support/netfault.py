@@ -197,9 +197,22 @@ class Proxy:
 
     def _rule(self, sport: int, dport: int) -> list[str]:
         return [
-            "INPUT", "-i", "lo", "-p", "tcp", "--sport", str(sport), "--dport", str(dport),
-            "-m", "comment", "--comment", self.tag, "-j", "DROP",
-        ]  # fmt: skip
+            "INPUT",
+            "-i",
+            "lo",
+            "-p",
+            "tcp",
+            "--sport",
+            str(sport),
+            "--dport",
+            str(dport),
+            "-m",
+            "comment",
+            "--comment",
+            self.tag,
+            "-j",
+            "DROP",
+        ]
 
     def rules(self) -> list[str]:
         """This proxy's rules in the INPUT chain (``iptables -S`` lines)."""

@@ -42,10 +42,18 @@ class PrivatePostgres:
 
     def init(self) -> PrivatePostgres:
         self._run(
-            str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
-            "--no-sync", "-E", "UTF8",
+            str(PG_BIN / "initdb"),
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "--no-sync",
+            "-E",
+            "UTF8",
             *(["--auth-host=scram-sha-256"] if self.password_auth else []),
-        )  # fmt: skip
+        )
         if self.tls:
             self._make_certificates()
         return self.start()
@@ -61,9 +69,16 @@ class PrivatePostgres:
 
     def start(self) -> PrivatePostgres:
         self._run(
-            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"),
-            "-w", "-o", self._options(), "start",
-        )  # fmt: skip
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "log"),
+            "-w",
+            "-o",
+            self._options(),
+            "start",
+        )
         wait_for_port(self.port)
         return self
 
@@ -90,14 +105,51 @@ class PrivatePostgres:
         def ssl(*args: str) -> None:
             subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=r)
 
-        ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-            "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
-        ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
-            "-keyout", "server.key", "-out", "server.csr")  # fmt: skip
+        ssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=test-ca",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        )
+        ssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        )
         (r / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-days", "2", "-extfile", "san.ext",
-            "-out", "server.crt")  # fmt: skip
+        ssl(
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.crt",
+        )
         os.chmod(r / "server.key", 0o600)
         if os.geteuid() == 0:
             shutil.chown(r / "server.key", "postgres")
@@ -115,11 +167,20 @@ class PrivateRedis:
 
     def start(self) -> PrivateRedis:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"],
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         wait_for_port(self.port)
         return self
 
