@@ -27,23 +27,9 @@ from reaper.cycle import Reaper
 from reaper.phases import ORDER
 from reaper.runs import COUNT_KEYS
 from tests.support import factory as f
+from tests.support.results import CYCLE_RESULT_KEYS, RELAY_RESULT_KEYS
 
 WAIT = 30.0  # seconds for a task to run on the worker: far above what it takes
-
-# docs/design.md#tasks, "Result keys of a cycle"
-CYCLE_RESULT_KEYS = {
-    "run_id",
-    "as_of",
-    "skipped",
-    "empty_timeout_count",
-    "provision_failed_count",
-    "stale_timeout_count",
-    "skipped_locked_count",
-    "failed_count",
-    "duration_ms",
-    "paused",
-}
-RELAY_RESULT_KEYS = {"published", "failed", "parked", "pending"}
 
 
 @dataclass

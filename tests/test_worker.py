@@ -27,6 +27,7 @@ from tests.support import factory as f
 from tests.support.facts import count_events
 from tests.support.ports import free_port
 from tests.support.processes import ROOT, Worker, wait_until
+from tests.support.results import CYCLE_RESULT_KEYS
 from tests.support.services import scrape
 
 RUN_LOCK_KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
@@ -254,18 +255,7 @@ def test_reap_once_cli_prints_the_result(engine):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["empty_timeout_count"] == 1 and result["skipped"] is False
-    assert set(result) == {
-        "run_id",
-        "as_of",
-        "skipped",
-        "empty_timeout_count",
-        "provision_failed_count",
-        "stale_timeout_count",
-        "skipped_locked_count",
-        "failed_count",
-        "duration_ms",
-        "paused",
-    }
+    assert set(result) == CYCLE_RESULT_KEYS
     assert result["paused"] == []
     assert count_events(done.stderr, "cycle.completed") == 1
 
