@@ -138,6 +138,13 @@ def relay_pass(settings: Settings) -> Budget:
     return Budget(idle=idle, statement=QUICK, peer=peer(settings))
 
 
+def producer_close(settings: Settings) -> timedelta:
+    """How long a dropped producer's closing waits for its records in flight: each
+    fails at its delivery timeout (REAPER_KAFKA_TIMEOUT), which its sender notices
+    after at most one request timeout more (half of it, reaper.kafka)."""
+    return settings.kafka_timeout * 2
+
+
 # A stop-signal pass (reaper/recorder.py) claims signals while a whole recorder
 # timeout is left of this many: a few calls' worth, so a pass, and `reaper reap
 # --once` after its cycle, ends within seconds whatever the recorder does, and

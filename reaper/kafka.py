@@ -15,6 +15,7 @@ from typing import Any
 
 from kafka import KafkaProducer
 
+from reaper import budgets
 from reaper.config import Settings
 from reaper.logs import get_logger, log
 
@@ -102,12 +103,20 @@ class ProducerSlot:
 
     def discard(self, reason: str) -> None:
         """Drop the producer without waiting (Kafka is gone or it is broken); the
-        next ``get`` starts a fresh one, with a new idempotent producer id."""
+        next ``get`` starts a fresh one, with a new idempotent producer id.
+
+        The dropped one is closed on a thread of its own: kafka-python flushes
+        before it closes, and a flush with no time to wait raises while records
+        are in flight (a pipelined pass's next batch). They fail at their
+        delivery timeout, and their rows go again with the next pass."""
         with self._lock:
             producer, owner = self._producer, self._owner_pid
             self._producer = self._owner_pid = None
         if producer is not None and owner == os.getpid():
-            producer.close(timeout=0)
+            timeout = budgets.producer_close(self.settings).total_seconds()
+            threading.Thread(
+                target=_close_dropped, args=(producer, timeout), name="kafka-discard", daemon=True
+            ).start()
             log(logger, "kafka.producer_discarded", level=30, reason=reason)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -123,6 +132,15 @@ class ProducerSlot:
             log(logger, "kafka.flush_failed", level=30, error=type(exc).__name__, detail=str(exc))
         producer.close(timeout=timeout)
         log(logger, "kafka.producer_closed")
+
+
+def _close_dropped(producer: KafkaProducer, timeout: float) -> None:
+    """Close a dropped producer once its records in flight are done (at most their
+    delivery timeout); its sender thread ends with it."""
+    try:
+        producer.close(timeout=timeout)
+    except Exception as exc:  # its rows are pending either way; its sender thread stays
+        log(logger, "kafka.flush_failed", level=30, error=type(exc).__name__, detail=str(exc))
 
 
 _process_slot: ProducerSlot | None = None

@@ -509,6 +509,40 @@ def published_prefixes(engine: Engine) -> dict[str, int]:
 
 
 @pytest.mark.process
+def test_discarding_a_producer_with_records_in_flight_returns_at_once(database_url, caplog):
+    """Kafka gone while records are in flight (a pipelined pass's next batch):
+    dropping the producer neither raises nor waits; its records fail at their
+    delivery timeout and the dropped producer is closed after them."""
+    broker = Tansu().start()
+    try:
+        topic = "pin.messenger.conference-ended.v1"
+        create_topic(broker.bootstrap, topic)
+        slot = ProducerSlot(relay_settings(database_url, broker.bootstrap, topic))
+        producer = slot.get()
+        producer.send(topic, key=b"deal", value=b"{}").get(timeout=10)  # the batch before
+        assert broker.proc is not None
+        broker.proc.kill()
+        broker.proc.wait()
+        in_flight = producer.send(topic, key=b"deal", value=b"{}")
+
+        started = time.monotonic()
+        slot.discard("Kafka unavailable: test")
+        assert time.monotonic() - started < 0.5
+        [closer] = [t for t in threading.enumerate() if t.name == "kafka-discard"]
+
+        with pytest.raises(KafkaTimeoutError):
+            in_flight.get(timeout=10)  # the delivery timeout: 4 s here
+        closer.join(timeout=10)
+        assert not closer.is_alive()
+        assert [e["reason"] for e in log_events(caplog, "kafka.producer_discarded")] == [
+            "Kafka unavailable: test"
+        ]
+        assert log_events(caplog, "kafka.flush_failed") == []  # closed, not given up
+    finally:
+        broker.stop()
+
+
+@pytest.mark.process
 def test_broker_stopping_mid_pass_marks_only_acknowledged_rows_in_order(
     database_url, engine, producers
 ):
