@@ -266,21 +266,26 @@ def memory_figure(
         batch_size=1000,
         timeout=900,
         prepare=lambda: seed.reset_eligible(url),
+        rounds=sizes.repeats,
     )
     raw["worker_drain"] = asdict(result)
-    rate = result.rooms / result.seconds
-    say(f"worker drain: {result.rooms} rooms in {result.seconds:.1f}s = {rate:,.0f}/s")
+    for seconds in result.seconds:
+        say(
+            f"worker drain: {result.rooms} rooms in {seconds:.1f}s"
+            f" = {result.rooms / seconds:,.0f}/s"
+        )
+    rate = result.rooms / result.best_seconds()
     return [
         Row(
-            "worker RSS: peak over the whole drain / over its first half (MiB)",
+            "worker RSS: peak over every drain / over the first one's first half (MiB)",
             result.peak_kib() / 1024,
-            result.peak_kib(0.5) / 1024,
+            result.first_half_peak_kib() / 1024,
             "",
             "<= 1.1x",
             lambda r: r <= 1.1,
         ),
         Row(
-            "worker drain / in-process drain, batch 1000 (rooms/s)",
+            "worker drain / in-process drain, batch 1000 (rooms/s), best of each",
             rate,
             in_process,
             "",
@@ -302,29 +307,39 @@ def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -
         create_topic(broker.bootstrap, f"{TOPIC}.baseline")
         settings = bench_kafka.relay_settings(url, broker.bootstrap, TOPIC)
         for count in (sizes.relay, sizes.relay_small):
-            try:
-                pending = bench_kafka.fresh_backlog(url, count)
-                if pending != count:
-                    raise RuntimeError(f"{pending} outbox rows to relay, wanted {count}")
-                recs = bench_kafka.records(url)
-                base = bench_kafka.baseline_rate(settings, f"{TOPIC}.baseline", recs)
-                ours = bench_kafka.relay_once(url, broker.bootstrap, TOPIC, count)
-            finally:
-                bench_kafka.autovacuum_back(url)
-            rate = count / ours["pass_s"]
-            raw.setdefault("relay", []).append(
-                {
-                    "events": count,
-                    "relay_per_s": rate,
-                    "baseline_per_s": base,
-                    **ours,
-                    "native_crc": bench_kafka.native_crc(),
-                }
-            )
-            say(
-                f"relay {count:,}: {rate:,.0f} events/s (pass {ours['pass_s']:.2f}s,"
-                f" process {ours['process_s']:.2f}s); kafka-python alone: {base:,.0f}/s"
-            )
+            rate = base = 0.0
+            for attempt in range(sizes.repeats):
+                # alternate who goes first, as the drain's figures do
+                order = ("baseline", "relay") if attempt % 2 == 0 else ("relay", "baseline")
+                try:
+                    pending = bench_kafka.fresh_backlog(url, count)
+                    if pending != count:
+                        raise RuntimeError(f"{pending} outbox rows to relay, wanted {count}")
+                    recs = bench_kafka.records(url)
+                    for side in order:
+                        if side == "baseline":
+                            one_base = bench_kafka.baseline_rate(
+                                settings, f"{TOPIC}.baseline", recs
+                            )
+                        else:
+                            ours = bench_kafka.relay_once(url, broker.bootstrap, TOPIC, count)
+                finally:
+                    bench_kafka.autovacuum_back(url)
+                one_rate = count / ours["pass_s"]
+                raw.setdefault("relay", []).append(
+                    {
+                        "events": count,
+                        "relay_per_s": one_rate,
+                        "baseline_per_s": one_base,
+                        **ours,
+                        "native_crc": bench_kafka.native_crc(),
+                    }
+                )
+                say(
+                    f"relay {count:,}: {one_rate:,.0f} events/s (pass {ours['pass_s']:.2f}s,"
+                    f" process {ours['process_s']:.2f}s); kafka-python alone: {one_base:,.0f}/s"
+                )
+                rate, base = max(rate, one_rate), max(base, one_base)
             rows.append(
                 Row(
                     f"relay, {count:,} fresh events, `reaper relay --once` (events/s)",
@@ -333,7 +348,7 @@ def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -
                     "",
                     ">= 0.8x",
                     lambda r: r >= 0.8,
-                    note="baseline: kafka-python alone, same records, one flush"
+                    note="baseline: kafka-python alone, same records, one flush; best of each"
                     + ("" if bench_kafka.native_crc() else "; crc32c NOT installed"),
                 )
             )
