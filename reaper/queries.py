@@ -19,12 +19,20 @@ from reaper.budgets import KEEPALIVE_PROBES, Budget
 
 QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
 _HEADER = re.compile(r"^-- (?P<kind>name|fragment): (?P<name>[a-z_]+)\s*$", re.MULTILINE)
-_INCLUDE = re.compile(r"^[ \t]*-- include: (?P<name>[a-z_]+)[ \t]*$", re.MULTILINE)
-_LEADING_COMMENT = re.compile(r"\A(?:--[^\n]*\n)+")
+_INCLUDE = re.compile(r"^[ \t]*-- include: (?P<name>(?:\{phase\})?[a-z_]+)[ \t]*$", re.MULTILINE)
+_PHASES = re.compile(r"\A-- phases: (?P<phases>[a-z_]+(?: [a-z_]+)*)[ \t]*\n")
+# a fragment's own comment lines (not an include that begins it)
+_LEADING_COMMENT = re.compile(r"\A(?:--(?! include:)[^\n]*\n)+")
+PHASE = "{phase}"
 
 # A row of any query: its columns are the statement's, which the type checker
 # does not read.
 ResultRow = Row[*tuple[Any, ...]]
+
+
+def phase_statement(name: str, phase: str) -> str:
+    """The key of a query written once per phase (``-- phases:``), for that phase."""
+    return f"{name}[{phase}]"
 
 
 def parse(source: str) -> dict[str, str]:
@@ -36,6 +44,12 @@ def parse(source: str) -> dict[str, str]:
     where it is written). The phase statements share their claim, a phase's
     rooms are one fragment wherever they are selected, and so one rule has one
     text.
+
+    A query whose first line is ``-- phases: a b`` is written once per phase, as
+    ``x[a]`` and ``x[b]`` (:func:`phase_statement`): in it, ``-- include:
+    {phase}_y`` stands for the fragment ``a_y``, then ``b_y``. So each phase's
+    statement holds that phase's predicate and no other, and the server parses
+    and plans only what runs.
     """
     headers = list(_HEADER.finditer(source))
     blocks: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
@@ -47,19 +61,35 @@ def parse(source: str) -> dict[str, str]:
         blocks[kind][name] = source[header.end() : end].strip()
     fragments = blocks["fragment"]
 
-    def expand(sql: str, within: tuple[str, ...]) -> str:
+    def expand(sql: str, within: tuple[str, ...], phase: str | None) -> str:
         def include(match: re.Match[str]) -> str:
             name = match["name"]
+            if PHASE in name:
+                if phase is None:
+                    raise ValueError(
+                        f"include of {name!r} outside a query with '-- phases:'"
+                        f" in {QUERIES_FILE.name}"
+                    )
+                name = name.replace(PHASE, phase)
             if name not in fragments:
                 raise ValueError(f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}")
             if name in within:
                 raise ValueError(f"fragment {name!r} includes itself in {QUERIES_FILE.name}")
             body = _LEADING_COMMENT.sub("", fragments[name] + "\n").rstrip("\n")
-            return expand(body, (*within, name))
+            return expand(body, (*within, name), phase)
 
         return _INCLUDE.sub(include, sql)
 
-    return {name: expand(sql, ()) for name, sql in blocks["name"].items()}
+    queries: dict[str, str] = {}
+    for name, sql in blocks["name"].items():
+        phases = _PHASES.match(sql)
+        if phases is None:
+            queries[name] = expand(sql, (), None)
+            continue
+        body = sql[phases.end() :]
+        for phase in phases["phases"].split():
+            queries[phase_statement(name, phase)] = expand(body, (), phase)
+    return queries
 
 
 @cache
@@ -69,6 +99,11 @@ def load() -> dict[str, TextClause]:
 
 def _run(conn: Connection, name: str, **params: Any) -> CursorResult[Any]:
     return conn.execute(load()[name], params)
+
+
+def _run_phase(conn: Connection, name: str, phase: str, **params: Any) -> CursorResult[Any]:
+    """A query written once per phase (``-- phases:``): ``phase``'s statement."""
+    return conn.execute(load()[phase_statement(name, phase)], params)
 
 
 class Queries:
@@ -214,10 +249,10 @@ class Queries:
         topic: str,
     ) -> list[ResultRow]:
         return list(
-            _run(
+            _run_phase(
                 self.conn,
                 "end_active_batch",
-                phase=phase,
+                phase,
                 as_of=as_of,
                 **bounds,
                 end_reason=end_reason,
@@ -243,10 +278,10 @@ class Queries:
         holder_pid: int,
     ) -> list[ResultRow]:
         return list(
-            _run(
+            _run_phase(
                 self.conn,
                 "fail_provisioning_batch",
-                phase=phase,
+                phase,
                 as_of=as_of,
                 **bounds,
                 batch_size=batch_size,
@@ -267,10 +302,10 @@ class Queries:
         excluded: list[str],
     ) -> list[str]:
         return list(
-            _run(
+            _run_phase(
                 self.conn,
                 "batch_candidates",
-                phase=phase,
+                phase,
                 as_of=as_of,
                 **bounds,
                 batch_size=batch_size,

@@ -11,8 +11,8 @@ import pytest
 
 from reaper import queries as queries_module
 from reaper.config import Settings
-from reaper.phases import bounds
-from reaper.queries import load, parse
+from reaper.phases import PHASES, bounds
+from reaper.queries import load, parse, phase_statement
 
 SOURCE = """
 -- fragment: recent
@@ -47,11 +47,18 @@ def test_an_unknown_fragment_or_a_name_twice_is_refused() -> None:
 
 
 def test_the_phase_statements_share_one_fence_and_one_roster_lock() -> None:
-    queries = load()
-    for name in ("end_active_batch", "fail_provisioning_batch"):
-        sql = queries[name].text
-        assert sql.count("fence AS (") == 1 and sql.count("roster_claimed AS (") == 1
+    for name, sql in phase_statements().items():
+        assert sql.count("fence AS (") == 1 and sql.count("roster_claimed AS (") == 1, name
         assert "-- include:" not in sql
+
+
+def phase_statements() -> dict[str, str]:
+    """Every phase statement, as the loader writes it for each of its phases."""
+    return {
+        name: statement.text
+        for name, statement in load().items()
+        if name.startswith(("end_active_batch[", "fail_provisioning_batch["))
+    }
 
 
 def test_a_fragment_may_include_another_indented_and_without_its_comment() -> None:
@@ -75,11 +82,50 @@ def test_each_phase_statement_writes_each_phases_rooms_once() -> None:
     assert source.count("-- fragment: batch_rooms") == 1
     # visible and claimed (the fragment claim), batch_candidates
     assert source.count("-- include: batch_rooms") == 3
-    for name in ("end_active_batch", "fail_provisioning_batch"):
-        sql = load()[name].text
+    for sql in phase_statements().values():
         assert sql.count("\nvisible AS (") == 1 and sql.count("\nclaimed AS (") == 1
-        assert sql.count("CAST(:stale_range AS timestamptz)") == 2
         assert sql.count("roster AS (") == 1 and sql.count("SELECT 'fenced'") == 1
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+def test_a_phase_statement_holds_its_own_phases_rooms_and_no_other(phase: str) -> None:
+    """Written once per phase, each statement selects its phase's rooms (their
+    range in visible and claimed) and names no other phase's bounds, so the
+    server parses and plans only what runs."""
+    own = PHASES[phase].param
+    statement = "fail_provisioning_batch" if phase == "provision_timeout" else "end_active_batch"
+    for sql in (load()[phase_statement(statement, phase)].text,):
+        assert sql.count(f"CAST(:{own}_range AS timestamptz)") == 2
+        for other in (p.param for p in PHASES.values() if p.param != own):
+            assert f":{other}_" not in sql
+        assert ":phase" not in sql
+    candidates = load()[phase_statement("batch_candidates", phase)].text
+    assert candidates.count(f"CAST(:{own}_range AS timestamptz)") == 1
+
+
+def test_a_query_with_phases_is_written_once_per_phase() -> None:
+    queries = parse(
+        "-- fragment: a_rooms\nx = 1\n\n-- fragment: b_rooms\nx = 2\n\n"
+        "-- fragment: rooms\n-- why, written once\n-- include: {phase}_rooms\nAND y\n\n"
+        "-- name: q\n-- phases: a b\nSELECT * FROM t WHERE\n-- include: rooms\n;\n\n"
+        "-- name: plain\nSELECT 1;"
+    )
+    assert queries == {
+        "q[a]": "SELECT * FROM t WHERE\nx = 1\nAND y\n;",
+        "q[b]": "SELECT * FROM t WHERE\nx = 2\nAND y\n;",
+        "plain": "SELECT 1;",
+    }
+    assert phase_statement("q", "a") == "q[a]"
+
+
+def test_a_phase_include_needs_phases_and_a_fragment_for_each() -> None:
+    with pytest.raises(ValueError, match="outside a query with '-- phases:'"):
+        parse("-- fragment: a_rooms\nx\n\n-- name: q\nSELECT\n-- include: {phase}_rooms\n")
+    with pytest.raises(ValueError, match="unknown fragment 'b_rooms'"):
+        parse(
+            "-- fragment: a_rooms\nx\n\n"
+            "-- name: q\n-- phases: a b\nSELECT\n-- include: {phase}_rooms\n"
+        )
 
 
 BOUNDS = set(bounds(Settings(), datetime.now(UTC), {}))
@@ -87,14 +133,19 @@ BOUNDS = set(bounds(Settings(), datetime.now(UTC), {}))
 
 def _runs_by_method() -> list[tuple[str, str, set[str]]]:
     """``(method of Queries, query name, keyword arguments bound)`` for each
-    ``_run(self.conn, "name", key=...)`` call in the class."""
+    ``_run(self.conn, "name", key=...)`` call in the class; a
+    ``_run_phase(self.conn, "name", phase, key=...)`` call runs the query
+    written for each of its phases (``name[phase]``)."""
     tree = ast.parse(inspect.getsource(queries_module.Queries))
+    statements = load()
     runs = []
     for method in ast.walk(tree):
         if not isinstance(method, ast.FunctionDef):
             continue
         for call in ast.walk(method):
-            if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "_run"):
+            if not (
+                isinstance(call, ast.Call) and ast.unparse(call.func) in ("_run", "_run_phase")
+            ):
                 continue
             name = call.args[1]
             assert isinstance(name, ast.Constant), f"{method.name} names its query at run time"
@@ -105,17 +156,25 @@ def _runs_by_method() -> list[tuple[str, str, set[str]]]:
                 if keyword.arg is None:
                     assert ast.unparse(keyword.value) == "bounds", f"{method.name} binds a mapping"
                     bound |= BOUNDS
-            runs.append((method.name, name.value, bound))
+            if ast.unparse(call.func) == "_run":
+                runs.append((method.name, name.value, bound))
+                continue
+            written = [n for n in statements if n.startswith(f"{name.value}[")]
+            assert written, f"{method.name} runs {name.value!r}, which has no '-- phases:'"
+            runs += [(method.name, n, bound) for n in written]
     return runs
 
 
 def test_every_named_query_has_one_method_that_binds_exactly_its_parameters() -> None:
     """The type checker holds the callers to Queries' signatures; this holds the
     methods to queries.sql: each runs a query that exists, binding the parameters
-    its text names and no others, and every query is run by one method."""
+    its text names and no others, and every query is run by one method. A phase's
+    statement names its own phase's bounds; ``**bounds`` binds every phase's."""
     statements = load()
     runs = _runs_by_method()
     assert sorted(name for _, name, _ in runs) == sorted(statements)
     for method, name, bound in runs:
         expected = set(statements[name].compile().params)
+        if "[" in name:  # a phase's statement: **bounds binds the other phases' too
+            expected |= BOUNDS
         assert bound == expected, f"Queries.{method} binds {sorted(bound)} for {name}"

@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 
 from reaper.phases import tenant_windows
-from reaper.queries import Queries, load
+from reaper.queries import Queries, load, phase_statement
 from tests.support.factory import T0
 
 HISTORY = 100_000
@@ -226,7 +226,6 @@ def explain(
     """The phase statement's plan; ``analyze`` runs it (the caller rolls back)."""
     name, _, extra = PHASES[phase]
     params = {
-        "phase": phase,
         "as_of": as_of,
         **bounds(conn, as_of),
         "batch_size": batch_size,
@@ -242,7 +241,7 @@ def explain(
             "topic": "pin.messenger.conference-ended.v1",
         }
     options = "ANALYZE, FORMAT JSON" if analyze else "FORMAT JSON"
-    sql = f"EXPLAIN ({options}) " + load()[name].text
+    sql = f"EXPLAIN ({options}) " + load()[phase_statement(name, phase)].text
     return conn.execute(text(sql), params).scalar_one()[0]["Plan"]
 
 
@@ -454,9 +453,8 @@ def test_the_census_counts_what_the_claims_would_select(seeded: Engine, policies
 
         def claimable(phase: str) -> int:
             rows = conn.execute(
-                load()["batch_candidates"],
+                load()[phase_statement("batch_candidates", phase)],
                 {
-                    "phase": phase,
                     "as_of": T0,
                     **bounds(conn, T0),
                     "batch_size": 1_000_000,

@@ -1,5 +1,10 @@
 -- Named queries of the reaper. Each block starts with a "-- name: <name>" line;
 -- reaper/queries.py loads them once and exposes one method per query.
+-- A "-- fragment: <name>" block is SQL written once, which "-- include: <name>"
+-- stands for. A query whose second line is "-- phases: a b" is written once
+-- per phase: in it, "-- include: {phase}_x" stands for the fragment a_x, then
+-- b_x. Each phase's statement holds that phase's predicate and no other, so the
+-- server parses and plans only what runs.
 --
 -- The phase statements are set-based: one round trip claims a batch with
 -- FOR UPDATE SKIP LOCKED, applies the guarded transition, closes the roster,
@@ -276,33 +281,37 @@ AND s.last_activity_at <= CAST(:stale_range AS timestamptz)
 AND s.last_activity_at <=
     -- include: stale_live_cutoff
 
+-- fragment: empty_room_order
+-- The order a phase claims its rooms in, oldest first: its partial index's.
+s.last_activity_at
+
+-- fragment: provision_timeout_order
+s.created_at
+
+-- fragment: stale_live_order
+s.last_activity_at
+
 -- fragment: batch_rooms
--- The rooms of a phase's batch: the phase's own (:phase is a literal, so the
--- planner keeps its branch alone, and the phase's partial index), less the
--- ones left out (:excluded), and when isolating a poison row, these ids only
+-- The rooms of a phase's batch: the phase's own (the statement is written once
+-- per phase, so it holds that phase's predicate and no other), less the ones
+-- left out (:excluded), and when isolating a poison row, these ids only
 -- (:only; NULL: any).
-CASE WHEN :phase = 'provision_timeout' THEN
-    -- include: provision_timeout_rooms
-WHEN :phase = 'empty_room' THEN
-    -- include: empty_room_rooms
-ELSE
-    -- include: stale_live_rooms
-END
+-- include: {phase}_rooms
 AND s.id <> ALL (CAST(:excluded AS uuid[]))
 AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
 
 -- fragment: claim
 -- A phase's batch (both phase statements): the rooms it would claim, the fence,
 -- the claim itself and the roster locks. visible is the same range without
--- locks, for the rows a command holds (the 'locked' report). :phase is a
--- literal: the planner keeps the phase's branch and order, on its partial index.
+-- locks, for the rows a command holds (the 'locked' report). Both in the order
+-- of the phase's partial index.
 visible AS (
     SELECT s.id
     FROM messenger.conference_sessions s
     WHERE
         -- include: batch_rooms
-    ORDER BY CASE WHEN :phase = 'provision_timeout' THEN s.created_at
-                  ELSE s.last_activity_at END
+    ORDER BY
+        -- include: {phase}_order
     LIMIT :batch_size
 ),
 -- include: fence
@@ -312,8 +321,8 @@ claimed AS (
     WHERE
         -- include: batch_rooms
         AND EXISTS (SELECT FROM fence)
-    ORDER BY CASE WHEN :phase = 'provision_timeout' THEN s.created_at
-                  ELSE s.last_activity_at END
+    ORDER BY
+        -- include: {phase}_order
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
@@ -374,6 +383,7 @@ SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE NOT EXISTS (SELECT FROM fence)
 
 -- name: end_active_batch
+-- phases: empty_room stale_live
 WITH
 -- include: claim
 closed AS (
@@ -401,11 +411,8 @@ closed AS (
     RETURNING s.*,
               -- include: no_duration
               AS anomaly,
-              CASE WHEN :phase = 'empty_room' THEN
-                  -- include: empty_room_cutoff
-              ELSE
-                  -- include: stale_live_cutoff
-              END AS own_cutoff
+              -- include: {phase}_cutoff
+              AS own_cutoff
 ),
 -- include: close_roster
 -- Each ended room's recordings, read once (one probe of ix_recordings_conference):
@@ -502,6 +509,7 @@ FROM ended_recordings e
 CROSS JOIN LATERAL unnest(e.running_ids) AS running(id);
 
 -- name: fail_provisioning_batch
+-- phases: provision_timeout
 WITH
 -- include: claim
 closed AS (
@@ -556,6 +564,7 @@ CROSS JOIN LATERAL (
 ) r;
 
 -- name: batch_candidates
+-- phases: empty_room provision_timeout stale_live
 -- The rows a phase's next batch would claim (its visible CTE: the same rooms),
 -- not locked: a batch the database refused is retried in halves of these,
 -- until the row it refuses is alone (cycle.PhaseBatches._isolate).
@@ -563,7 +572,8 @@ SELECT s.id::text
 FROM messenger.conference_sessions s
 WHERE
     -- include: batch_rooms
-ORDER BY CASE WHEN :phase = 'provision_timeout' THEN s.created_at ELSE s.last_activity_at END
+ORDER BY
+    -- include: {phase}_order
 LIMIT :batch_size;
 
 -- name: mark_stop_requested
