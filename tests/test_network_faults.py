@@ -31,6 +31,7 @@ from reaper.config import Settings
 from reaper.db import alembic_config, engine_of, ensure_database
 from tests.conftest import REDIS_URL
 from tests.support import factory as f
+from tests.support.activity import BATCH_RUNNING
 from tests.support.facts import count_events
 from tests.support.invariants import audit_engine
 from tests.support.netfault import Proxy, SilentServer
@@ -233,10 +234,10 @@ DROP TRIGGER IF EXISTS test_slow_batch ON messenger.conference_sessions;
 DROP FUNCTION IF EXISTS messenger.test_slow_batch();
 """
 IN_BATCH = text(
-    """
+    f"""
     SELECT count(*) FROM pg_stat_activity
     WHERE datname = current_database() AND application_name = 'conference-room-reaper'
-      AND state = 'active' AND query LIKE 'WITH visible%'
+      AND {BATCH_RUNNING}
     """
 )
 LIVE = text("SELECT id FROM messenger.conference_sessions WHERE status = 'Active'")

@@ -13,6 +13,7 @@ from reaper import queries as queries_module
 from reaper.config import Settings
 from reaper.phases import PHASES, bounds
 from reaper.queries import load, parse, phase_statement
+from tests.support.activity import BATCH_TEXT, like
 
 SOURCE = """
 -- fragment: recent
@@ -50,6 +51,14 @@ def test_the_phase_statements_share_one_fence_and_one_roster_lock() -> None:
     for name, sql in phase_statements().items():
         assert sql.count("fence AS (") == 1 and sql.count("roster_claimed AS (") == 1, name
         assert "-- include:" not in sql
+
+
+def test_the_fault_tests_see_a_phase_batch_and_nothing_else_as_one() -> None:
+    """The fault tests find a batch in flight in pg_stat_activity by its text
+    (tests/support/activity.py): every phase statement has it, no other query."""
+    for name, statement in load().items():
+        is_batch = name.startswith(("end_active_batch[", "fail_provisioning_batch["))
+        assert like(BATCH_TEXT, statement.text) == is_batch, name
 
 
 def phase_statements() -> dict[str, str]:

@@ -27,6 +27,7 @@ from reaper.clock import rfc3339
 from reaper.runs import holder
 from tests.support import factory as f
 from tests.support import services
+from tests.support.activity import BATCH_RUNNING
 from tests.support.factory import T0
 from tests.support.invariants import audit_engine
 from tests.support.processes import Worker
@@ -47,9 +48,9 @@ ENV = {
 }
 
 BUSY = text(
-    """
+    f"""
     SELECT count(*) FILTER (WHERE xact_start IS NOT NULL) AS in_xact,
-           count(*) FILTER (WHERE state = 'active' AND query LIKE 'WITH visible%') AS in_batch
+           count(*) FILTER (WHERE {BATCH_RUNNING}) AS in_batch
     FROM pg_stat_activity
     WHERE datname = current_database() AND application_name = 'conference-room-reaper'
       AND state <> 'idle'
@@ -192,10 +193,10 @@ def test_kill_9_mid_batch_20_times(db, tmp_path, capsys):
 
 
 BATCH_CLIENT = text(
-    """
+    f"""
     SELECT client_port FROM pg_stat_activity
     WHERE datname = current_database() AND application_name = 'conference-room-reaper'
-      AND state = 'active' AND query LIKE 'WITH visible%'
+      AND {BATCH_RUNNING}
     LIMIT 1
     """
 )
