@@ -209,13 +209,18 @@ def test_ticks_nobody_picked_up_in_time_expire(engine, tmp_path):
 def test_warm_shutdown_ends_after_the_batch_in_flight(engine, tmp_path, capsys):
     """SIGTERM (a warm shutdown) while a pool child drains a 100,000-room backlog:
     the child is told, ends its phase after the batches in flight (one per lane),
-    every batch whole, and the worker exits 0 with the lock free."""
-    backlog = 100_000
+    every batch whole, and the worker exits 0 with the lock free. Seen from the
+    log, which trails the commits by up to one report per lane."""
+    backlog, lanes = 100_000, 2
     with engine.begin() as conn:
         f.bulk_conferences(conn, backlog, as_of=now())
     worker = Worker(
         tmp_path,
-        {"REAPER_POLLING_INTERVAL": "1", "REAPER_BATCH_SIZE": "200", "REAPER_DRAIN_LANES": "2"},
+        {
+            "REAPER_POLLING_INTERVAL": "1",
+            "REAPER_BATCH_SIZE": "200",
+            "REAPER_DRAIN_LANES": str(lanes),
+        },
     )
     worker.start()
     worker.wait_for(lambda out: count_events(out, "batch.selected") >= 5, 60, "the drain under way")
@@ -228,15 +233,18 @@ def test_warm_shutdown_ends_after_the_batch_in_flight(engine, tmp_path, capsys):
     assert count_events(out, "worker.stopping") == 1
     lines = out.splitlines()
     stopping = next(i for i, line in enumerate(lines) if count_events(line, "worker.stopping"))
-    committed_after = count_events("\n".join(lines[stopping:]), "batch.selected")
-    # at most the batch in flight on each lane, then the phase ends
-    assert committed_after <= 2, committed_after
+    logged_after = count_events("\n".join(lines[stopping:]), "batch.selected")
+    # A lane ends after its batch in flight (test_drain holds that exactly), but
+    # batch.selected is written by the teller thread, which may still owe each
+    # lane the report of the batch before: so up to two lines per lane follow
+    # the signal. A drain that ignored the stop would write hundreds.
+    assert logged_after <= 2 * lanes, logged_after
     assert 0 < ended == events == pushes < backlog
     assert holder(engine) is None
     with capsys.disabled():
         print(
             f"\n[figures] warm shutdown (SIGTERM) of a worker draining {backlog:,} rooms: exit "
-            f"{rc} after {took:.2f}s, {committed_after} batch(es) committed after the signal, "
+            f"{rc} after {took:.2f}s, {logged_after} batch(es) logged after the signal, "
             f"{ended:,} rooms ended in whole batches"
         )
 
