@@ -44,7 +44,7 @@ os.environ.update(
 from reaper.config import Settings  # noqa: E402
 from reaper.db import dispose_engines, engine_for, migrate  # noqa: E402
 from tests.support.facts import FactRecorder  # noqa: E402
-from tests.support.ports import free_port, reachable, wait_for_port  # noqa: E402, F401
+from tests.support.ports import reachable  # noqa: E402
 
 TABLES = (
     "messenger.reaper_pauses",
@@ -66,8 +66,8 @@ def services() -> None:
     missing = [
         name
         for name, host, port in (
-            ("PostgreSQL", pg.host, pg.port or 5432),
-            ("Redis", redis.hostname, redis.port or 6379),
+            ("PostgreSQL", pg.host or "localhost", pg.port or 5432),
+            ("Redis", redis.hostname or "localhost", redis.port or 6379),
         )
         if not reachable(host, port)
     ]

@@ -7,6 +7,7 @@ import os
 import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
@@ -39,38 +40,39 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def seed_mixed(engine: Engine) -> dict[str, str]:
     """One of every case the phases tell apart; returns id -> what it is."""
     seeded: dict[str, str] = {}
+    cases: dict[str, dict[str, Any]] = {
+        "empty": {"idle": timedelta(seconds=91)},
+        "empty_at_cutoff": {"idle": timedelta(seconds=90)},
+        "empty_in_grace": {"idle": timedelta(seconds=89)},
+        "occupied_recent": {"idle": timedelta(minutes=10), "participants": 2},
+        "empty_and_stale": {"idle": timedelta(hours=5)},
+        "stale_occupied": {"idle": timedelta(hours=4, seconds=1), "participants": 3},
+        "stale_at_cutoff": {"idle": timedelta(hours=4), "participants": 1},
+        "provision_old": {"status": "Provisioning", "age": timedelta(minutes=3)},
+        "provision_at_cutoff": {"status": "Provisioning", "age": timedelta(minutes=2)},
+        "provision_young": {"status": "Provisioning", "age": timedelta(seconds=119)},
+        "anomaly_empty": {"idle": timedelta(minutes=5), "started_at": None},
+        "anomaly_stale": {
+            "idle": timedelta(hours=6),
+            "participants": 1,
+            "started_at": T0 + timedelta(minutes=1),
+        },
+        "ended": {
+            "status": "Ended",
+            "end_reason": "Normal",
+            "idle": timedelta(hours=9),
+            "ended_at": T0 - timedelta(hours=9),
+        },
+        "failed": {
+            "status": "Failed",
+            "end_reason": "Error",
+            "age": timedelta(hours=1),
+            "started_at": None,
+            "ended_at": T0 - timedelta(minutes=50),
+        },
+    }
     with engine.begin() as conn:
-        for what, kwargs in {
-            "empty": {"idle": timedelta(seconds=91)},
-            "empty_at_cutoff": {"idle": timedelta(seconds=90)},
-            "empty_in_grace": {"idle": timedelta(seconds=89)},
-            "occupied_recent": {"idle": timedelta(minutes=10), "participants": 2},
-            "empty_and_stale": {"idle": timedelta(hours=5)},
-            "stale_occupied": {"idle": timedelta(hours=4, seconds=1), "participants": 3},
-            "stale_at_cutoff": {"idle": timedelta(hours=4), "participants": 1},
-            "provision_old": {"status": "Provisioning", "age": timedelta(minutes=3)},
-            "provision_at_cutoff": {"status": "Provisioning", "age": timedelta(minutes=2)},
-            "provision_young": {"status": "Provisioning", "age": timedelta(seconds=119)},
-            "anomaly_empty": {"idle": timedelta(minutes=5), "started_at": None},
-            "anomaly_stale": {
-                "idle": timedelta(hours=6),
-                "participants": 1,
-                "started_at": T0 + timedelta(minutes=1),
-            },
-            "ended": {
-                "status": "Ended",
-                "end_reason": "Normal",
-                "idle": timedelta(hours=9),
-                "ended_at": T0 - timedelta(hours=9),
-            },
-            "failed": {
-                "status": "Failed",
-                "end_reason": "Error",
-                "age": timedelta(hours=1),
-                "started_at": None,
-                "ended_at": T0 - timedelta(minutes=50),
-            },
-        }.items():
+        for what, kwargs in cases.items():
             seeded[f.conference(conn, **kwargs)["id"]] = what
     return seeded
 

@@ -226,7 +226,9 @@ def read_with_librdkafka(bootstrap: str, topic: str, expect: int) -> list[tuple[
             if message is None:
                 continue
             assert message.error() is None, message.error()
-            found.append((message.key(), json.loads(message.value())))
+            key, value = message.key(), message.value()
+            assert key is not None and value is not None  # every event has both
+            found.append((key, json.loads(value)))
         return found
     finally:
         consumer.close()

@@ -65,6 +65,14 @@ def test_a_cycle_owns_its_run_only_when_it_took_it() -> None:
     assert not Cycle("r", skipped).owns_run
 
 
+class ServerError(Exception):
+    """What the driver raises: an error carrying PostgreSQL's SQLSTATE."""
+
+    def __init__(self, pgcode: str | None) -> None:
+        super().__init__(pgcode)
+        self.pgcode = pgcode
+
+
 @pytest.mark.parametrize(
     ("pgcode", "refused"),
     [
@@ -80,7 +88,7 @@ def test_a_cycle_owns_its_run_only_when_it_took_it() -> None:
 def test_only_what_the_database_refuses_of_a_row_is_a_refusal(
     pgcode: str | None, refused: bool
 ) -> None:
-    exc = DBAPIError("UPDATE ...", {}, SimpleNamespace(pgcode=pgcode))
+    exc = DBAPIError("UPDATE ...", {}, ServerError(pgcode))
     assert is_poison_error(exc) is refused
 
 

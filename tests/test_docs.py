@@ -135,9 +135,13 @@ def variants(name: ast.expr | None, level: ast.expr | None) -> list[tuple[str, s
     if isinstance(name, ast.Constant) and isinstance(name.value, str):
         return [(name.value, literal_levels(level))]
     if isinstance(name, ast.IfExp):
-        same_choice = isinstance(level, ast.IfExp) and ast.dump(level.test) == ast.dump(name.test)
-        body = variants(name.body, level.body if same_choice else level)
-        orelse = variants(name.orelse, level.orelse if same_choice else level)
+        if isinstance(level, ast.IfExp) and ast.dump(level.test) == ast.dump(name.test):
+            body_level: ast.expr | None = level.body  # the same choice
+            orelse_level: ast.expr | None = level.orelse
+        else:
+            body_level = orelse_level = level
+        body = variants(name.body, body_level)
+        orelse = variants(name.orelse, orelse_level)
         if body and orelse:
             return body + orelse
     return []

@@ -14,9 +14,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import Engine, text
 
-from tests.conftest import BIN, ROOT, free_port
+from tests.conftest import BIN, ROOT
 from tests.support import factory as f
 from tests.support.kafka import create_topic, read_topic
+from tests.support.ports import free_port
 from tests.support.processes import Worker, wait_until
 
 
@@ -51,8 +52,7 @@ def test_seeded_empty_room_reaches_kafka_right_after_its_cycle(engine, kafka_bro
         for _ in range(5):  # one at a time: each is reaped by its own cycle
             with engine.begin() as conn:
                 rooms.append(f.conference(conn, as_of=now(), idle=timedelta(seconds=10)))
-            count = len(rooms)
-            wait_until(lambda n=count: len(published(engine)) >= n, 20, "published")
+            wait_until(lambda: len(published(engine)) >= len(rooms), 20, "published")
         records = read_topic(kafka_broker, topic, expect=len(rooms))
     finally:
         worker.stop()

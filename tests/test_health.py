@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,11 @@ def healthz(port: int) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
     except OSError:
         return 0, {}
+
+
+def run_completed(port: int) -> bool:
+    """The replica on ``port`` has completed a run."""
+    return healthz(port)[1].get("last_run_completed_age_seconds") is not None
 
 
 def gauge(port: int) -> float:
@@ -215,11 +221,7 @@ def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path, capsys):
         for worker in workers:
             worker.start()
         for port in ports:
-            wait_until(
-                lambda p=port: healthz(p)[1].get("last_run_completed_age_seconds") is not None,
-                30,
-                "a run completed",
-            )
+            wait_until(partial(run_completed, port), 30, "a run completed")
         # three times the closing limit: long enough for it to trip if skipped
         # ticks counted against a replica
         end = time.monotonic() + 3 * CLOSING_INTERVALS * interval

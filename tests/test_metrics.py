@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,11 @@ def scrape(port: int) -> dict[str, float]:
     return samples
 
 
+def succeeded(task_id: str, out: str) -> bool:
+    """The worker's output says the task ``task_id`` succeeded."""
+    return f"reaper.reap[{task_id}] succeeded" in out
+
+
 def call_reap() -> str:
     return subprocess.run(
         [CELERY, "-A", "reaper", "call", "reaper.reap", "--expires", "60"],
@@ -267,9 +273,7 @@ def test_prefork_worker_serves_whole_counts_across_replaced_children(
         cycles = 3
         for n in range(1, cycles + 1):
             task_id = call_reap()
-            worker.wait_for(
-                lambda out, t=task_id: f"reaper.reap[{t}] succeeded" in out, 60, f"cycle {n}"
-            )
+            worker.wait_for(partial(succeeded, task_id), 60, f"cycle {n}")
         # the last child may still be ending: poll rather than sleep a guess
         deadline = time.monotonic() + 15
         samples = scrape(port)

@@ -18,6 +18,8 @@ from tests.conftest import PG_URL
 
 def _schema(url: str) -> str:
     target = make_url(url)
+    host, user, database = target.host, target.username, target.database
+    assert host and user and database, url  # the test databases' URLs name all three
     dump = subprocess.run(
         [
             shutil.which("pg_dump") or "pg_dump",
@@ -25,12 +27,12 @@ def _schema(url: str) -> str:
             "--no-owner",
             "--schema=messenger",
             "-h",
-            target.host,
+            host,
             "-p",
             str(target.port or 5432),
             "-U",
-            target.username,
-            target.database,
+            user,
+            database,
         ],
         check=True,
         capture_output=True,

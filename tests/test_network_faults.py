@@ -22,6 +22,7 @@ from datetime import UTC, datetime, timedelta
 import kombu
 import kombu.exceptions
 import pytest
+from kombu.transport.redis import Channel as RedisChannel
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.exc import OperationalError
 
@@ -105,7 +106,9 @@ def test_broker_connections_carry_the_bounds(services):
     # what the worker, its beat and every producer get: the app's transport options
     assert transport_options(settings).items() <= app.conf.broker_transport_options.items()
     with app.connection_for_write() as conn:
-        client = conn.default_channel.client
+        channel = conn.default_channel
+        assert isinstance(channel, RedisChannel)  # the broker is Redis
+        client = channel.client
         kwargs = client.connection_pool.connection_kwargs
         assert kwargs["socket_timeout"] == settings.broker_tcp_timeout.total_seconds()
         assert kwargs["socket_connect_timeout"] == settings.broker_connect_timeout.total_seconds()

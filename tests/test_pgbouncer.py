@@ -10,6 +10,8 @@ import threading
 import time
 import uuid
 from datetime import datetime, timedelta
+from functools import partial
+from typing import Any
 
 import psycopg2
 import pytest
@@ -51,6 +53,12 @@ def statuses(engine: Engine) -> dict[str, tuple[str, str | None]]:
         return f.statuses(conn)
 
 
+def closed_as(engine: Engine, wanted: dict[str, tuple[str, str | None]]) -> bool:
+    """Every room in ``wanted`` has the status and end reason given there."""
+    now = statuses(engine)
+    return all(now[i] == s for i, s in wanted.items())
+
+
 def seed_every_phase(engine: Engine, as_of: datetime) -> dict[str, tuple[str, str | None]]:
     """Rooms each phase closes and rooms none closes; id -> (status, end_reason) expected."""
     expected: dict[str, tuple[str, str | None]] = {}
@@ -72,13 +80,20 @@ def seed_every_phase(engine: Engine, as_of: datetime) -> dict[str, tuple[str, st
     return expected
 
 
+def one_row(cur: psycopg2.extensions.cursor) -> tuple[Any, ...]:
+    """The row a single-row query returns (READ_SETTINGS always returns one)."""
+    row = cur.fetchone()
+    assert row is not None
+    return tuple(row)
+
+
 def defaults(database_url: str) -> tuple[str, ...]:
     """The server's defaults of the budget settings, on a direct connection."""
     conn = psycopg2.connect(database_url.replace("postgresql+psycopg2", "postgresql"))
     try:
         with conn.cursor() as cur:
             cur.execute(READ_SETTINGS)
-            return tuple(cur.fetchone()[1:])
+            return tuple(one_row(cur)[1:])
     finally:
         conn.close()
 
@@ -98,7 +113,7 @@ class Watcher(threading.Thread):
         with self.conn.cursor() as cur:
             while not self.halt.is_set():
                 cur.execute(READ_SETTINGS)
-                pid, *values = cur.fetchone()
+                pid, *values = one_row(cur)
                 self.seen.append((pid, tuple(values)))
                 time.sleep(0.002)
 
@@ -118,7 +133,7 @@ def every_server_connection(bouncer: PgBouncer) -> dict[int, tuple[str, ...]]:
         for client in clients:
             with client.cursor() as cur:
                 cur.execute(READ_SETTINGS)  # opens a transaction: its server stays its own
-                pid, *values = cur.fetchone()
+                pid, *values = one_row(cur)
                 seen[pid] = tuple(values)
     finally:
         for client in clients:
@@ -183,11 +198,7 @@ def test_a_worker_through_pgbouncer_reaps_across_cycles_and_relays_to_kafka(
             round_ = seed_every_phase(engine, f.db_now(engine))
             expected.update(round_)
             wanted = {i: s for i, s in expected.items() if s[1] is not None}
-            wait_until(
-                lambda w=wanted: all(statuses(engine)[i] == s for i, s in w.items()),
-                30,
-                "the round closed by the worker",
-            )
+            wait_until(partial(closed_as, engine, wanted), 30, "the round closed by the worker")
         ended = [i for i, (status, _) in expected.items() if status == "Ended"]
         records = read_topic(kafka_broker, topic, expect=len(ended), timeout=30)
     finally:

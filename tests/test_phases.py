@@ -316,9 +316,12 @@ def test_race_with_end_conference_row_locked_is_skipped_not_waited(settings, eng
     with f.command_holding(engine, busy["id"]) as (command, tx):
         done = threading.Event()
         result: dict = {}
-        runner = threading.Thread(
-            target=lambda: (result.update(reap(settings, engine)), done.set())
-        )
+
+        def run() -> None:
+            result.update(reap(settings, engine))
+            done.set()
+
+        runner = threading.Thread(target=run)
         runner.start()
         assert done.wait(10), "the reaper waited on a row lock"
         # the command now ends the conference itself

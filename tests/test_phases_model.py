@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -125,7 +126,7 @@ def model(room: Room, policy: Policy | None, paused: frozenset[str]) -> tuple[st
     return room.status, ENDED_BEFORE if room.status == "Ended" else None
 
 
-def ended(room: Room) -> dict[str, object]:
+def ended(room: Room) -> dict[str, Any]:
     """An ended room says why and when (the table's check)."""
     if room.status != "Ended":
         return {}

@@ -195,7 +195,7 @@ def test_an_empty_room_past_its_stale_timeout_but_within_its_grace_waits_for_the
 def seed_mixed(engine: Engine, as_of: datetime) -> dict[str, dict[str, Any]]:
     """Rooms of three tenants: A (longer windows), B (defaults), C (shorter windows)."""
     rooms: dict[str, dict[str, Any]] = {}
-    spec = {
+    spec: dict[str, dict[str, Any]] = {
         "empty_5m": {"idle": timedelta(minutes=5)},
         "empty_60s": {"idle": timedelta(seconds=60)},
         "empty_20m": {"idle": timedelta(minutes=20)},

@@ -157,7 +157,9 @@ def _runs_by_method() -> list[tuple[str, str, set[str]]]:
             ):
                 continue
             name = call.args[1]
-            assert isinstance(name, ast.Constant), f"{method.name} names its query at run time"
+            assert isinstance(name, ast.Constant) and isinstance(name.value, str), (
+                f"{method.name} names its query at run time"
+            )
             bound = {keyword.arg for keyword in call.keywords if keyword.arg is not None}
             for keyword in call.keywords:
                 # ``**bounds``: every phase's cutoff and range end, as phases.bounds

@@ -314,7 +314,7 @@ def test_only_a_short_batch_looks_for_rows_a_command_holds(seeded: Engine, phase
     with seeded.connect() as conn, conn.begin() as tx:
         open_fence(conn)
         full = explain(conn, phase, T0, 100, analyze=True)
-        few = (
+        few = list(
             conn.execute(
                 text(
                     "SELECT id::text FROM messenger.conference_sessions"

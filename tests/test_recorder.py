@@ -25,10 +25,11 @@ from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.recorder import StopPass
-from tests.conftest import BIN, ROOT, free_port
+from tests.conftest import BIN, ROOT
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import log_events, wired_bus
+from tests.support.ports import free_port
 
 FAILED_METRIC = "messenger_conf_reaper_recorder_stop_failed_total"
 

@@ -16,6 +16,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
@@ -32,11 +33,12 @@ from reaper.kafka import ProducerSlot, producer_config
 from reaper.queries import Queries
 from reaper.relay import Relay, RelayBatches
 from reaper.traceids import cycle_span_id_for
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import log_events
 from tests.support.kafka import Tansu, create_topic, read_topic
+from tests.support.ports import free_port
 
 
 @pytest.fixture
@@ -794,18 +796,20 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
                 raise KafkaTimeoutError("Failed to update metadata after 5.0 secs.")
             return {0}
 
-    topics = (missing, rsettings.conference_ended_topic)
-    rows = [type("OutboxRow", (), {"topic": t})() for t in topics]
-    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Connected())
-    [line] = log_events(caplog, "relay.topic_missing")
-    assert line["topic"] == missing and missing in line["reason"]
-    assert not log_events(caplog, "relay.kafka_unavailable")
-
     class Unreachable(Connected):
         def bootstrap_connected(self) -> bool:
             return False
 
-    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, Unreachable())
+    topics = (missing, rsettings.conference_ended_topic)
+    rows = [type("OutboxRow", (), {"topic": t})() for t in topics]
+    # stand-ins with only what _unavailable asks of a producer
+    connected, unreachable = cast(KafkaProducer, Connected()), cast(KafkaProducer, Unreachable())
+    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, connected)
+    [line] = log_events(caplog, "relay.topic_missing")
+    assert line["topic"] == missing and missing in line["reason"]
+    assert not log_events(caplog, "relay.kafka_unavailable")
+
+    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, unreachable)
     assert len(log_events(caplog, "relay.kafka_unavailable")) == 1
 
 

@@ -23,12 +23,9 @@ from reaper.config import Settings
 from reaper.cycle import Reaper
 from tests.support import factory as f
 from tests.support.factory import T0
+from tests.support.facts import fields, log_records
 
 REAPER = str(Path(sys.executable).parent / "reaper")
-
-
-def events(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if getattr(r, "event", None) == name]
 
 
 def seed(engine: Engine, *, stale: int, fresh: int, empty: int = 0) -> None:
@@ -78,10 +75,10 @@ def test_presence_outage_is_blocked_and_other_phases_go_on(settings, engine, cap
     assert result["empty_timeout_count"] == 3  # empty_room is not guarded
     assert count(engine, "Active") == 40 and count(engine, "Ended", "Timeout") == 0
     assert outbox_rows(engine) == 3
-    [blocked] = events(caplog, "phase.mass_closure_blocked")
+    [blocked] = log_records(caplog, "phase.mass_closure_blocked")
     assert blocked.levelno == logging.ERROR
     assert (
-        blocked.fields.items()
+        fields(blocked).items()
         >= {
             "phase": "stale_live",
             "eligible": 30,
@@ -91,8 +88,8 @@ def test_presence_outage_is_blocked_and_other_phases_go_on(settings, engine, cap
             "run_id": result["run_id"],
         }.items()
     )
-    assert not events(caplog, "conference.reaped") or all(
-        r.fields["phase"] == "empty_room" for r in events(caplog, "conference.reaped")
+    assert not log_records(caplog, "conference.reaped") or all(
+        fields(r)["phase"] == "empty_room" for r in log_records(caplog, "conference.reaped")
     )
 
 
@@ -101,7 +98,7 @@ def test_at_or_below_the_share_is_reaped(settings, engine, caplog):
     seed(engine, stale=25, fresh=25)  # exactly half: not more than the share
     result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["stale_timeout_count"] == 25
-    assert not events(caplog, "phase.mass_closure_blocked")
+    assert not log_records(caplog, "phase.mass_closure_blocked")
 
 
 def test_at_or_below_the_floor_is_reaped_even_when_all_are_stale(settings, engine, caplog):
@@ -109,7 +106,7 @@ def test_at_or_below_the_floor_is_reaped_even_when_all_are_stale(settings, engin
     seed(engine, stale=20, fresh=0)  # 100 % but only the floor
     result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["stale_timeout_count"] == 20
-    assert not events(caplog, "phase.mass_closure_blocked")
+    assert not log_records(caplog, "phase.mass_closure_blocked")
 
 
 def test_one_above_the_floor_is_blocked(settings, engine, caplog):
@@ -117,7 +114,7 @@ def test_one_above_the_floor_is_blocked(settings, engine, caplog):
     seed(engine, stale=21, fresh=0)
     result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["stale_timeout_count"] == 0 and count(engine, "Active") == 21
-    assert len(events(caplog, "phase.mass_closure_blocked")) == 1
+    assert len(log_records(caplog, "phase.mass_closure_blocked")) == 1
 
 
 def test_override_lets_one_run_through_and_says_so(settings, engine, caplog):
@@ -128,9 +125,9 @@ def test_override_lets_one_run_through_and_says_so(settings, engine, caplog):
     result = reaper.run_cycle(T0)
     assert blocked_total() == before
     assert result["stale_timeout_count"] == 30 and count(engine, "Ended", "Timeout") == 30
-    [allowed] = events(caplog, "phase.mass_closure_allowed")
-    assert allowed.levelno == logging.WARNING and allowed.fields["eligible"] == 30
-    assert not events(caplog, "phase.mass_closure_blocked")
+    [allowed] = log_records(caplog, "phase.mass_closure_allowed")
+    assert allowed.levelno == logging.WARNING and fields(allowed)["eligible"] == 30
+    assert not log_records(caplog, "phase.mass_closure_blocked")
     assert outbox_rows(engine) == 30
 
 
@@ -155,7 +152,7 @@ def test_poison_rows_do_not_count_as_eligible(database_url, refusing_database, c
     result = Reaper(settings, engine=engine).run_cycle(T0)
     # the census leaves out the cycle's poison rows: 1 eligible <= floor 2
     assert result["stale_timeout_count"] == 1 and result["failed_count"] == 3, result
-    assert not events(caplog, "phase.mass_closure_blocked")
+    assert not log_records(caplog, "phase.mass_closure_blocked")
     with engine.connect() as conn:
         assert f.statuses(conn)[good["id"]] == ("Ended", "Timeout")
 
@@ -169,7 +166,7 @@ def test_celery_phase_task_is_guarded_too(engine, caplog):
     seed(engine, stale=30, fresh=10)
     result = reap_phase("stale_live", as_of=rfc3339(T0))
     assert result["stale_timeout_count"] == 0 and count(engine, "Active") == 40
-    assert len(events(caplog, "phase.mass_closure_blocked")) == 1
+    assert len(log_records(caplog, "phase.mass_closure_blocked")) == 1
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -196,6 +196,7 @@ def test_a_dead_owner_is_taken_over_within_its_lease(settings, engine):
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert owner.stdout is not None and owner.stderr is not None  # both piped
     try:
         dead_run = owner.stdout.readline().strip()
         assert dead_run, owner.stderr.read() if owner.poll() is not None else "no run id"

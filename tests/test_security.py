@@ -28,6 +28,7 @@ from reaper.cycle import Reaper
 from tests.support import factory as f
 from tests.support.kafka import create_topic, read_topic
 from tests.support.processes import ROOT, Worker
+from tests.support.roles import sqlstate
 from tests.support.services import PrivatePostgres
 
 BIN = Path(sys.executable).parent
@@ -282,7 +283,7 @@ def test_a_cycle_and_a_relay_pass_run_as_a_member_of_the_role(engine, login_url,
             ):
                 conn.exec_driver_sql(statement)
             # 42501 insufficient_privilege
-            assert refused.value.orig.pgcode == "42501", (statement, refused.value)
+            assert sqlstate(refused.value) == "42501", (statement, refused.value)
     finally:
         worker_engine.dispose()
     with engine.connect() as conn:

@@ -104,7 +104,8 @@ def recording(
     conference_id: str,
     *,
     status: str = "Recording",
-    created_at: datetime = T0 - timedelta(minutes=10),
+    # or a string PostgreSQL reads as a timestamp ('infinity': a poison row)
+    created_at: datetime | str = T0 - timedelta(minutes=10),
 ) -> dict[str, Any]:
     row = {
         "id": new_id(),

@@ -4,8 +4,9 @@ a thread-safe stepping clock, and the log events of a captured run."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from sqlalchemy import Engine
@@ -39,7 +40,7 @@ class FactRecorder:
 
     def of(self, fact_type: type[F]) -> list[F]:
         with self._lock:
-            return [f for f in self.facts if type(f) is fact_type]  # type: ignore[misc]
+            return [f for f in self.facts if type(f) is fact_type]
 
     def clear(self) -> None:
         with self._lock:
@@ -90,6 +91,18 @@ def count_events(output: str, name: str) -> int:
     return len(output_events(output, name))
 
 
-def log_events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict]:
+def log_records(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.LogRecord]:
+    """Every captured log record with this ``event`` name."""
+    return [r for r in caplog.records if getattr(r, "event", None) == name]
+
+
+def fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields ``reaper.logs.log`` put on a record (as ``extra``, so LogRecord
+    does not declare them)."""
+    fields: dict[str, Any] = vars(record)["fields"]
+    return fields
+
+
+def log_events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
     """The fields of every captured log line with this ``event`` name."""
-    return [r.fields for r in caplog.records if getattr(r, "event", None) == name]
+    return [fields(r) for r in log_records(caplog, name)]

@@ -70,7 +70,7 @@ class Audit:
 def audit(conn: Connection, preterminal: list[str] | None = None) -> Audit:
     tally = conn.execute(TALLY).one()
     bad = conn.execute(VIOLATIONS, {"preterminal": preterminal or []}).mappings().all()
-    return Audit(*tally, violations=[dict(r) for r in bad])
+    return Audit(**tally._mapping, violations=[dict(r) for r in bad])
 
 
 def audit_engine(engine: Engine, preterminal: list[str] | None = None) -> Audit:

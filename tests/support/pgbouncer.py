@@ -15,6 +15,7 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import psycopg2
 from sqlalchemy import make_url
@@ -121,7 +122,7 @@ pidfile = {self.root / "pgbouncer.pid"}
             connect_timeout=5,
         )
 
-    def admin(self, command: str) -> list[dict[str, object]]:
+    def admin(self, command: str) -> list[dict[str, Any]]:
         """A command of PgBouncer's admin console (``SHOW SERVERS``...), as rows."""
         conn = self.connect("pgbouncer")
         try:

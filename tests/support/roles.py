@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import Engine, make_url, text
+from sqlalchemy.exc import DBAPIError
 
 
 @contextmanager
@@ -30,3 +31,9 @@ def login(
                 {"n": name},
             )
             conn.exec_driver_sql(f"DROP ROLE {name}")
+
+
+def sqlstate(error: DBAPIError) -> str | None:
+    """The SQLSTATE PostgreSQL answered with (42501: insufficient_privilege)."""
+    code: str | None = getattr(error.orig, "pgcode", None)
+    return code
