@@ -99,8 +99,8 @@ def log_records(caplog: pytest.LogCaptureFixture, name: str) -> list[logging.Log
 def fields(record: logging.LogRecord) -> dict[str, Any]:
     """The fields ``reaper.logs.log`` put on a record (as ``extra``, so LogRecord
     does not declare them)."""
-    fields: dict[str, Any] = vars(record)["fields"]
-    return fields
+    on_record: dict[str, Any] = vars(record)["fields"]
+    return on_record
 
 
 def log_events(caplog: pytest.LogCaptureFixture, name: str) -> list[dict[str, Any]]:
