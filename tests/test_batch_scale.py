@@ -16,6 +16,7 @@ from reaper.config import Settings
 from reaper.cycle import Reaper
 from tests.support import factory as f
 from tests.support.factory import T0
+from tests.support.facts import log_events, log_records
 
 
 def test_every_room_of_a_full_batch_gets_its_own_event(database_url, engine):
@@ -69,7 +70,7 @@ def test_two_lanes_count_only_the_rows_someone_else_holds(database_url, engine, 
         result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["empty_timeout_count"] == 999
     assert result["skipped_locked_count"] == 1
-    told = [r for r in caplog.records if getattr(r, "event", None) == "batch.selected"]
+    told = log_records(caplog, "batch.selected")
     threads = {r.threadName for r in told}
     assert threads == {"reaper-tell_0"}  # told on the helper thread
     with engine.connect() as conn:
@@ -87,5 +88,5 @@ def test_a_quiet_phase_is_one_statement_even_with_lanes(database_url, engine, ca
         f.bulk_conferences(conn, 10, idle=timedelta(seconds=5))  # within the grace
     result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["empty_timeout_count"] == 0
-    batches = [r.fields for r in caplog.records if getattr(r, "event", None) == "batch.selected"]
+    batches = log_events(caplog, "batch.selected")
     assert sorted(b["phase"] for b in batches) == ["empty_room", "provision_timeout", "stale_live"]

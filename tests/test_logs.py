@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from reaper.logs import JsonFormatter, get_logger, log
-from tests.support.facts import fields
+from tests.support.facts import fields, log_records
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_a_mapping_with_keys_that_are_not_text_is_still_written(captured: io.Str
 def test_the_plain_message_names_the_event_and_its_fields(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="reaper"):
         log(get_logger("cycle"), "phase.completed", phase="empty_room", reaped=2)
-    [record] = [r for r in caplog.records if getattr(r, "event", None) == "phase.completed"]
+    [record] = log_records(caplog, "phase.completed")
     assert record.getMessage() == "phase.completed phase=empty_room reaped=2"
     assert fields(record) == {"phase": "empty_room", "reaped": 2}
 
@@ -123,4 +123,4 @@ def test_the_plain_message_names_the_event_and_its_fields(caplog: pytest.LogCapt
 def test_a_disabled_level_builds_no_record(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="reaper"):
         log(get_logger("cycle"), "conference.reaped", conference_id="c1")
-    assert not [r for r in caplog.records if getattr(r, "event", None) == "conference.reaped"]
+    assert not log_records(caplog, "conference.reaped")

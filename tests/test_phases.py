@@ -17,7 +17,7 @@ from reaper.db import transaction
 from reaper.events import BatchSelected, Bus
 from tests.support import factory as f
 from tests.support.factory import T0
-from tests.support.facts import log_events
+from tests.support.facts import log_events, log_records
 
 
 def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
@@ -396,11 +396,7 @@ def test_poison_row_is_isolated_and_the_rest_commits(settings, refusing_database
         }
     failed = log_events(caplog, "item.failed")
     assert {e["conference_id"] for e in failed} == {poison["id"], future["id"]}
-    assert all(
-        r.levelno == logging.ERROR
-        for r in caplog.records
-        if getattr(r, "event", None) == "item.failed"
-    )
+    assert all(r.levelno == logging.ERROR for r in log_records(caplog, "item.failed"))
 
 
 def test_poison_rows_filling_a_batch_do_not_block_the_rest(database_url, refusing_database):
