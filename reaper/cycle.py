@@ -30,7 +30,7 @@ from reaper.clock import Monotonic, monotonic, parse_time, rfc3339, utcnow
 from reaper.config import Settings
 from reaper.db import Session, engine_of, session, transaction
 from reaper.drain import Drained, SkippedLocked, drain
-from reaper.errors import describe
+from reaper.errors import describe, sqlstate
 from reaper.events import (
     BatchSelected,
     Bus,
@@ -492,7 +492,7 @@ class PhaseBatches:
 def is_poison_error(exc: DBAPIError) -> bool:
     """PostgreSQL refused the data of some row (a data exception, a constraint, a
     trigger raising), not the statement or the connection."""
-    code = getattr(exc.orig, "pgcode", None) or ""
+    code = sqlstate(exc) or ""
     return code[:2] in ("22", "23", "P0")
 
 

@@ -21,3 +21,10 @@ def describe(exc: BaseException, *, secrets: Iterable[str | None] = ()) -> str:
         if secret:
             text = text.replace(secret, "***")
     return (f"{type(inner).__name__}: {text}" if text else type(inner).__name__)[:MAX_LENGTH]
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE PostgreSQL answered with, for a SQLAlchemy error whose driver
+    error (``orig``) carries one; None for any other error."""
+    code: str | None = getattr(getattr(exc, "orig", None), "pgcode", None)
+    return code

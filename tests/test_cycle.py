@@ -16,6 +16,7 @@ from sqlalchemy.exc import DBAPIError
 
 from reaper.config import Settings
 from reaper.cycle import Cycle, Reaper, is_poison_error, phase_result
+from reaper.errors import sqlstate
 from reaper.events import (
     Bus,
     CycleCompleted,
@@ -90,6 +91,12 @@ def test_only_what_the_database_refuses_of_a_row_is_a_refusal(
 ) -> None:
     exc = DBAPIError("UPDATE ...", {}, ServerError(pgcode))
     assert is_poison_error(exc) is refused
+
+
+def test_the_sqlstate_is_the_drivers_and_none_for_any_other_error() -> None:
+    assert sqlstate(DBAPIError("DELETE ...", {}, ServerError("42501"))) == "42501"
+    assert sqlstate(DBAPIError("DELETE ...", {}, ValueError("no code"))) is None
+    assert sqlstate(ValueError("not the database's")) is None
 
 
 def test_a_phase_result_counts_that_phase_alone() -> None:

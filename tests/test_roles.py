@@ -20,9 +20,10 @@ from sqlalchemy.exc import DBAPIError
 from reaper import budgets
 from reaper.cycle import Reaper
 from reaper.db import transaction
+from reaper.errors import sqlstate
 from tests.support import factory as f
 from tests.support.processes import run_cli
-from tests.support.roles import login, sqlstate
+from tests.support.roles import login
 
 WORKER = "reaper_worker"
 OPERATOR = "reaper_operator"

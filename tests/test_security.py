@@ -25,10 +25,10 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
+from reaper.errors import sqlstate
 from tests.support import factory as f
 from tests.support.kafka import create_topic, read_topic
 from tests.support.processes import ROOT, Worker
-from tests.support.roles import sqlstate
 from tests.support.services import PrivatePostgres
 
 BIN = Path(sys.executable).parent

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from sqlalchemy import Engine, make_url, text
-from sqlalchemy.exc import DBAPIError
 
 
 @contextmanager
@@ -31,9 +30,3 @@ def login(
                 {"n": name},
             )
             conn.exec_driver_sql(f"DROP ROLE {name}")
-
-
-def sqlstate(error: DBAPIError) -> str | None:
-    """The SQLSTATE PostgreSQL answered with (42501: insufficient_privilege)."""
-    code: str | None = getattr(error.orig, "pgcode", None)
-    return code
