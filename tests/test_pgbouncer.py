@@ -11,12 +11,12 @@ import time
 import uuid
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any
 
 import psycopg2
 import pytest
 from sqlalchemy import Engine, text
 
+from bench.seed import one_row
 from reaper.config import Settings
 from reaper.db import engine_of
 from reaper.kafka import ProducerSlot
@@ -78,13 +78,6 @@ def seed_every_phase(engine: Engine, as_of: datetime) -> dict[str, tuple[str, st
             room = f.conference(conn, as_of=as_of, **kwargs)
             expected[room["id"]] = (room["status"], None)
     return expected
-
-
-def one_row(cur: psycopg2.extensions.cursor) -> tuple[Any, ...]:
-    """The row a single-row query returns (READ_SETTINGS always returns one)."""
-    row = cur.fetchone()
-    assert row is not None
-    return tuple(row)
 
 
 def defaults(database_url: str) -> tuple[str, ...]:
