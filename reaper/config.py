@@ -101,6 +101,31 @@ def _bootstrap(value: str) -> str:
 Duration = Annotated[timedelta, BeforeValidator(_duration), AfterValidator(_positive)]
 
 
+# The one database driver the reaper runs with: it hands libpq its connection
+# bounds (budgets.Peer) and reads psycopg2's errors. SQLAlchemy maps a bare
+# postgresql:// to its own default driver, which is psycopg 3 from SQLAlchemy
+# 2.1 on (not installed here), and does not know postgres:// at all; both are
+# how libpq and most platforms write the URL, so both mean psycopg2 here.
+DATABASE_DRIVER = "psycopg2"
+DATABASE_SCHEMES = ("postgresql", "postgres")
+
+
+def _database_url(value: str) -> str:
+    """A PostgreSQL URL on the reaper's driver: ``postgresql://``, ``postgres://``
+    and ``postgresql+psycopg2://`` all become ``postgresql+psycopg2://``; a URL
+    that names another driver is refused before anything imports it."""
+    scheme, separator, rest = value.partition("://")
+    dialect, _, driver = scheme.partition("+")
+    if separator and dialect in DATABASE_SCHEMES and driver not in ("", DATABASE_DRIVER):
+        raise ValueError(
+            f"names the driver {driver!r}, which the reaper does not run with: write "
+            f"postgresql://, postgres:// or postgresql+{DATABASE_DRIVER}:// "
+            f"({DATABASE_DRIVER} is installed with the reaper)"
+        )
+    _url(*DATABASE_SCHEMES, f"postgresql+{DATABASE_DRIVER}")(value)
+    return f"postgresql+{DATABASE_DRIVER}://{rest}"
+
+
 # The worker's role deletes published outbox rows only through a function that
 # keeps every row published within the last hour (migration 0009): a shorter
 # retention would fail every retention pass.
@@ -128,7 +153,8 @@ def compression_available(codec: str) -> bool:
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
 
-    database_url: Annotated[str, AfterValidator(_url("postgresql", "postgresql+psycopg2"))] = (
+    # Always postgresql+psycopg2:// once validated (_database_url).
+    database_url: Annotated[str, AfterValidator(_database_url)] = (
         "postgresql+psycopg2://postgres@127.0.0.1:5432/reaper"
     )
     broker_url: Annotated[str, AfterValidator(_url("redis", "rediss"))] = "redis://127.0.0.1:6379/0"

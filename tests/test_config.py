@@ -8,13 +8,16 @@ line on stderr naming the variable, no traceback, no secret echoed back.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from sqlalchemy import make_url
 
 from reaper.config import (
     COMPRESSION_PACKAGES,
@@ -23,6 +26,8 @@ from reaper.config import (
     Settings,
     load_settings,
 )
+from tests.support import factory as f
+from tests.support.processes import Worker, run_cli, wait_until
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +43,11 @@ INVALID: dict[str, list[str]] = {
         "mysql://db.example/reaper",
         "postgresql://",
         "postgresql://127.0.0.1:99999/reaper",
-        f"postgres://reaper:{SECRET}@db.example/reaper",  # a common typo of the scheme
+        "postgres://",
+        # another driver than the reaper's: refused before anything imports it
+        f"postgresql+psycopg://reaper:{SECRET}@db.example/reaper",
+        "postgresql+asyncpg://db.example/reaper",
+        "postgresql+pg8000://db.example/reaper",
     ],
     "BROKER_URL": ["", "amqp://127.0.0.1//", "redis://", f"redis://:{SECRET}@h:port/0"],
     "BROKER_KEY_PREFIX": ["with space:", "new\nline", "x" * 129],
@@ -197,9 +206,41 @@ def test_valid_edge_values_are_accepted(monkeypatch, env):
     load_settings()
 
 
+# The forms users write, and what the reaper connects with: always psycopg2,
+# whatever SQLAlchemy's own default driver for the scheme is.
+URL_FORMS = {
+    "postgresql://u@db/reaper": "postgresql+psycopg2://u@db/reaper",
+    "postgres://u:p%40ss@db:5433/reaper": "postgresql+psycopg2://u:p%40ss@db:5433/reaper",
+    "postgresql+psycopg2://u@db/reaper?sslmode=verify-full": (
+        "postgresql+psycopg2://u@db/reaper?sslmode=verify-full"
+    ),
+    "postgres://u@db/reaper?sslmode=require&sslrootcert=/ca.pem": (
+        "postgresql+psycopg2://u@db/reaper?sslmode=require&sslrootcert=/ca.pem"
+    ),
+}
+
+
+@pytest.mark.parametrize("written", list(URL_FORMS))
+def test_the_url_forms_users_write_mean_psycopg2(monkeypatch, written):
+    set_env(monkeypatch, {"DATABASE_URL": written})
+    url = load_settings().database_url
+    assert url == URL_FORMS[written]
+    assert make_url(url).get_dialect().driver == "psycopg2"
+
+
+def test_a_url_naming_another_driver_says_which_in_one_line(monkeypatch):
+    set_env(monkeypatch, {"DATABASE_URL": f"postgresql+psycopg://u:{SECRET}@db/reaper"})
+    with pytest.raises(ConfigError) as refused:
+        load_settings()
+    message = str(refused.value)
+    assert "REAPER_DATABASE_URL: names the driver 'psycopg'" in message
+    assert "postgresql://, postgres:// or postgresql+psycopg2://" in message
+    assert "\n" not in message and SECRET not in message
+
+
 # A representative subset through the real entry points.
 PROCESS_CASES = [
-    ({"DATABASE_URL": f"postgres://reaper:{SECRET}@db.example/reaper"}, "DATABASE_URL"),
+    ({"DATABASE_URL": f"postgresql+psycopg://reaper:{SECRET}@db.example/reaper"}, "DATABASE_URL"),
     ({"BATCH_SIZE": "0"}, "BATCH_SIZE"),
     ({"POLLING_INTERVAL": "10:00"}, "POLLING_INTERVAL"),
     ({"BROKER_URL": "amqp://127.0.0.1//"}, "BROKER_URL"),
@@ -239,3 +280,39 @@ def test_real_entry_points_refuse_bad_config(command):
         assert ENV_PREFIX + variable in lines[0], (env, stderr)
         assert "Traceback" not in stderr + stdout
         assert SECRET not in stderr + stdout
+
+
+@pytest.mark.process
+def test_the_cli_and_the_worker_run_on_the_url_forms_users_write(engine, database_url, tmp_path):
+    """postgresql:// and postgres:// as libpq writes them: every command and the
+    worker connect with psycopg2 (no traceback naming psycopg 3), and a room is
+    closed by a worker given the short form."""
+    tail = database_url.partition("://")[2]
+    for scheme in ("postgresql", "postgres"):
+        done = run_cli("status", "--json", env={"REAPER_DATABASE_URL": f"{scheme}://{tail}"})
+        assert done.returncode == 0, (scheme, done.stderr)
+        assert "Traceback" not in done.stderr and "psycopg'" not in done.stderr
+        json.loads(done.stdout)
+    with engine.begin() as conn:
+        room = f.conference(conn, as_of=datetime.now(UTC), idle=timedelta(minutes=5))
+    worker = Worker(
+        tmp_path, {"REAPER_DATABASE_URL": f"postgres://{tail}", "REAPER_POLLING_INTERVAL": "1"}
+    ).start()
+    try:
+        wait_until(lambda: f.session_row_status(engine, room["id"]) == "Ended", 30, "room ended")
+    finally:
+        worker.stop()
+    assert "Traceback" not in worker.output()
+    assert " ERROR" not in worker.output()
+
+
+@pytest.mark.process
+def test_a_url_naming_a_driver_not_installed_is_one_line_and_exit_2():
+    """psycopg 3 is what SQLAlchemy 2.1 takes for postgresql+psycopg://; it is not
+    installed with the reaper, and no command gets as far as importing it."""
+    url = f"postgresql+psycopg://reaper:{SECRET}@127.0.0.1/reaper"
+    done = run_cli("status", env={"REAPER_DATABASE_URL": url})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "REAPER_DATABASE_URL: names the driver 'psycopg'" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout and SECRET not in done.stderr
