@@ -45,6 +45,7 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from sqlalchemy import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import db, health, kafka, logs, metrics, release, schema, tracing, wiring
@@ -96,7 +97,8 @@ def check_schema(settings: Settings, process: str) -> None:
             level=logging.WARNING,
             process=process,
             release=release.version(),
-            error=describe(exc),
+            # the driver does not echo the password; make sure
+            error=describe(exc, secrets=[make_url(settings.database_url).password]),
         )
         return
     finally:
