@@ -37,15 +37,26 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
     from reaper import budgets, release, schema
     from reaper.db import engine_of, ensure_database, migrate
+    from reaper.overview import safe_url
 
     peer = budgets.peer(settings)  # bounded like every connection of the reaper
     version = release.version()
     try:
+        ensure_database(settings.database_url, peer)
+        owner = schema.not_the_owner(engine_of(settings), settings)
+        if owner is not None:
+            # as the roles' logins may read the revision, say it here, not by
+            # alembic's failure (which a schema with nothing to apply never meets)
+            print(
+                f"reaper: database {safe_url(settings.database_url)} refused: permission denied:"
+                f" migrations run as the schema owner ({owner})",
+                file=sys.stderr,
+            )
+            return 1
         if args.revision is not None:
             migrate(settings.database_url, args.revision, peer=peer)
             print(f"schema at {args.revision}")
             return 0
-        ensure_database(settings.database_url, peer)
         before = schema.check(engine_of(settings), settings).revision
         plan = release.migrate_plan(before, contract=args.contract, version=version)
         if plan.refusal is not None:

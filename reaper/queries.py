@@ -534,6 +534,10 @@ class Queries:
     def schema_record(self) -> list[ResultRow]:
         return list(_run(self.conn, "schema_record"))
 
+    def schema_owner(self) -> ResultRow | None:
+        """``owner``, ``acts_as_owner`` of the revision table; None before it exists."""
+        return _run(self.conn, "schema_owner").one_or_none()
+
     # -- anomalies (docs/design.md#anomalies) ------------------------------------
 
     def activity_ahead_count(self, ahead_of: datetime) -> int:

@@ -47,6 +47,15 @@ def check(engine: Engine, settings: Settings) -> Verdict:
         return read(queries)
 
 
+def not_the_owner(engine: Engine, settings: Settings) -> str | None:
+    """The schema owner's name when this login is not (a member of) it: reaper
+    migrate refuses then, even with nothing to apply. None: it may migrate (or
+    the database is new, and creating the schema will say)."""
+    with transaction(engine, budgets.quick(settings)) as queries:
+        found = queries.schema_owner()
+    return None if found is None or found.acts_as_owner else str(found.owner)
+
+
 def log_verdict(verdict: Verdict, *, process: str) -> None:
     """The verdict as a log line: ``schema.checked`` (in range), ``schema.newer``
     (newer, compatible: runs), ``schema.refused`` (the process exits)."""

@@ -1051,3 +1051,10 @@ SELECT version_num FROM public.alembic_version;
 SELECT revision, kind, release, compatible_from
 FROM messenger.reaper_migrations
 ORDER BY revision;
+
+-- name: schema_owner
+-- reaper migrate runs as the schema owner: who owns the revision table, and
+-- whether this login acts as that role (no row: no table yet, a new database).
+SELECT pg_get_userbyid(c.relowner) AS owner, pg_has_role(c.relowner, 'USAGE') AS acts_as_owner
+FROM pg_class c
+WHERE c.oid = to_regclass('public.alembic_version');
