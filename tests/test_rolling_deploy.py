@@ -352,11 +352,26 @@ def test_this_release_refuses_the_previous_release_s_schema_in_one_line(previous
                     worker.start(ready_timeout=30)
             finally:
                 worker.stop()
-        out = worker.output()
-        ours = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert [(line["event"], line["level"]) for line in ours] == [("schema.refused", "ERROR")]
-        assert ours[0]["message"] == unreadable and ours[0]["process"] == "worker"
-        assert "Traceback" not in out and " ready." not in out
+            # celery beat on its own, as the owner: the same refusal, the revision named
+            beat = subprocess.run(
+                [str(BIN / "celery"), "-A", "reaper", "beat", "-s", str(tmp_path / "beat")],
+                cwd=ROOT,
+                env=_env({"REAPER_DATABASE_URL": url}, None),
+                capture_output=True,
+                text=True,
+                timeout=CALL_TIMEOUT,
+            )
+        for process, out, message in (
+            ("worker", worker.output(), unreadable),
+            ("beat", beat.stdout + beat.stderr, older),
+        ):
+            ours = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            assert [(line["event"], line["level"]) for line in ours] == [
+                ("schema.refused", "ERROR")
+            ], out
+            assert (ours[0]["message"], ours[0]["process"]) == (message, process)
+            assert "Traceback" not in out and " ready." not in out
+        assert beat.returncode == EXIT_SCHEMA
         with owner.connect() as conn:  # nothing was read into or changed
             assert conn.execute(text("SELECT count(*) FROM messenger.reaper_runs")).scalar() == 0
 
