@@ -406,3 +406,42 @@ def test_a_direct_delete_of_the_outbox_works_after_expand_and_is_refused_after_c
                 assert sqlstate(refused.value) == "42501"  # insufficient_privilege
             finally:
                 worker.dispose()
+
+
+def test_a_newer_schema_runs_when_compatible_and_is_refused_when_breaking():
+    """A later release migrated the database (its rows in the record, as its
+    migrations would write them): this release's commands go on beside a
+    compatible one, with schema.newer, and refuse a breaking one in one line."""
+    with scratch_database() as (url, owner):
+        env = {"REAPER_DATABASE_URL": url}
+        from reaper.db import migrate
+
+        migrate(url)  # this release's head
+        later = (
+            "INSERT INTO messenger.reaper_migrations (revision, kind, release, compatible_from)"
+            " VALUES (:r, :k, '0.4.0', :c)"
+        )
+        with owner.begin() as conn:
+            conn.execute(text(later), {"r": "0012", "k": "expand", "c": SCHEMA_KNOWN})
+            conn.execute(text("UPDATE alembic_version SET version_num = '0012'"))
+        runs = this_release("status", "--json", env=env)
+        assert runs.returncode == 0, runs.stderr
+        assert json.loads(runs.stdout)["schema"]["state"] == "newer_compatible"
+        [warning] = [json.loads(line) for line in runs.stderr.splitlines()]
+        assert (warning["event"], warning["level"], warning["revision"]) == (
+            "schema.newer",
+            "WARNING",
+            "0012",
+        )
+        with owner.begin() as conn:
+            conn.execute(text(later), {"r": "0013", "k": "contract", "c": "0012"})
+            conn.execute(text("UPDATE alembic_version SET version_num = '0013'"))
+        refused = this_release("status", env=env)
+        assert (refused.returncode, refused.stdout) == (EXIT_SCHEMA, "")
+        assert refused.stderr == (
+            "reaper: schema 0013 is newer than this release knows (release 0.3.0 runs on 0010"
+            " to 0011) and 0013 breaks it: run a release that knows 0013\n"
+        )
+        # and migrate leaves a later release's schema alone
+        left = this_release("migrate", env=env)
+        assert (left.returncode, left.stdout) == (0, "schema at 0013: nothing to apply\n")
