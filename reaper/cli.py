@@ -69,6 +69,8 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     at = plan.target or before
     if plan.target is None:
         print(f"schema at {at}: nothing to apply")
+    elif before is None:
+        print(f"schema at {at}: a new database, every migration of {version} applied")
     elif args.contract:
         print(f"schema at {at}: the contract migrations of {version} are applied")
     elif release.SCHEMA_NEEDED != release.SCHEMA_KNOWN:

@@ -168,9 +168,14 @@ def migrate_plan(current: str | None, *, contract: bool, version: str) -> Migrat
     this release and every migration of earlier releases, contracts included
     (the chain is linear, and a release's contract migrations come after its
     expand ones). ``--contract`` applies this release's contract migrations,
-    once its expand migrations are in (the workers can only run it then).
-    ``current`` is the database's revision (None: none yet)."""
-    at = order(current) if current is not None else 0
+    once its expand ones are in (the workers can only run it then).
+    ``current`` is the database's revision (None: none yet). A database with
+    no schema yet gets the whole chain either way: no release runs on it, so
+    there is nothing to keep working, and its roles get no right that a
+    contract migration would take back later."""
+    if current is None:
+        return MigratePlan(SCHEMA_KNOWN)
+    at = order(current)
     if at is None:
         return MigratePlan(None, f"schema {current} is not a revision of this project")
     if at > int(SCHEMA_KNOWN):
@@ -180,7 +185,7 @@ def migrate_plan(current: str | None, *, contract: bool, version: str) -> Migrat
     if at < int(SCHEMA_NEEDED):
         return MigratePlan(
             None,
-            f"schema {current or 'empty'} lacks the expand migrations of release {version} "
+            f"schema {current} lacks the expand migrations of release {version} "
             f"(up to {SCHEMA_NEEDED}): run reaper migrate, roll every worker to {version}, "
             "then reaper migrate --contract",
         )

@@ -99,12 +99,14 @@ def test_migrate_applies_expand_and_contract_only_after_it() -> None:
         lambda at: migrate_plan(at, contract=True, version=V),
     )
     # reaper migrate: up to this release's expand head, from anywhere below it
-    for at in (None, "0008", "0009"):
+    for at in ("0001", "0008", "0009"):
         assert expand(at) == MigratePlan(SCHEMA_NEEDED), at
     for at in (SCHEMA_NEEDED, SCHEMA_KNOWN, "0012"):
         assert expand(at) == MigratePlan(None), at
+    # a new database: no release runs on it, so the whole chain at once
+    assert expand(None) == contract(None) == MigratePlan(SCHEMA_KNOWN)
     # reaper migrate --contract: only once the expand migrations are in
-    for at in (None, "0008", "0009"):
+    for at in ("0001", "0008", "0009"):
         refused = contract(at)
         assert refused.target is None and refused.refusal is not None
         assert "run reaper migrate, roll every worker to 0.3.0, then reaper migrate --contract" in (
