@@ -30,18 +30,78 @@ def _settings() -> Settings:
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    """Expand by default (this release's expand migrations, and whatever earlier
+    releases left); ``--contract``: this release's contract migrations, once
+    its expand ones are in; ``--revision R``: exactly R, kinds unchecked."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from reaper import budgets
-    from reaper.db import migrate
+    from reaper import budgets, release, schema
+    from reaper.db import engine_of, ensure_database, migrate
+    from reaper.overview import safe_url
 
+    peer = budgets.peer(settings)  # bounded like every connection of the reaper
+    version = release.version()
     try:
-        # bounded like every connection of the reaper (REAPER_DATABASE_*_TIMEOUT)
-        migrate(settings.database_url, args.revision, peer=budgets.peer(settings))
+        ensure_database(settings.database_url, peer)
+        owner = schema.not_the_owner(engine_of(settings), settings)
+        if owner is not None:
+            # as the roles' logins may read the revision, say it here, not by
+            # alembic's failure (which a schema with nothing to apply never meets)
+            print(
+                f"reaper: database {safe_url(settings.database_url)} refused: permission denied:"
+                f" migrations run as the schema owner ({owner})",
+                file=sys.stderr,
+            )
+            return 1
+        if args.revision is not None:
+            migrate(settings.database_url, args.revision, peer=peer)
+            print(f"schema at {args.revision}")
+            return 0
+        before = schema.check(engine_of(settings), settings).revision
+        plan = release.migrate_plan(before, contract=args.contract, version=version)
+        if plan.refusal is not None:
+            print(f"reaper: {plan.refusal}", file=sys.stderr)
+            return release.EXIT_SCHEMA
+        if plan.target is not None:
+            migrate(settings.database_url, plan.target, peer=peer)
     except SQLAlchemyError as exc:  # e.g. run as a login that is not the schema owner
         return _database_failed(settings, exc)
-    print(f"schema at {args.revision}")
+    at = plan.target or before
+    if plan.target is None:
+        print(f"schema at {at}: nothing to apply")
+    elif before is None:
+        print(f"schema at {at}: a new database, every migration of {version} applied")
+    elif args.contract:
+        print(f"schema at {at}: the contract migrations of {version} are applied")
+    elif release.SCHEMA_NEEDED != release.SCHEMA_KNOWN:
+        print(
+            f"schema at {at}: the expand migrations of {version} are applied; roll every "
+            f"worker to {version}, then run reaper migrate --contract"
+        )
+    else:
+        print(f"schema at {at}: the migrations of {version} are applied")
     return 0
+
+
+def _schema_refused(settings: Settings) -> int | None:
+    """Every command that uses the database (not migrate) checks the schema
+    first: a schema this release does not run on is one line and EXIT_SCHEMA;
+    a newer one it is compatible with, a warning (schema.newer) and on."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from reaper import release, schema
+    from reaper.db import engine_of
+
+    try:
+        verdict = schema.check(engine_of(settings), settings)
+    except SQLAlchemyError as exc:
+        return _database_failed(settings, exc)
+    if not verdict.runs:
+        print(f"reaper: {verdict.message()}", file=sys.stderr)
+        return release.EXIT_SCHEMA
+    if verdict.state is not release.SchemaState.SUPPORTED:
+        schema.log_verdict(verdict, process="cli")
+    return None
 
 
 def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
@@ -397,11 +457,24 @@ def _print(data: dict[str, Any], *, as_json: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from reaper.release import version
+
     parser = argparse.ArgumentParser(prog="reaper", description="Conference room reaper")
+    parser.add_argument("--version", action="version", version=f"reaper {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    migrate = sub.add_parser("migrate", help="apply the schema migrations (idempotent)")
-    migrate.add_argument("--revision", default="head")
+    migrate = sub.add_parser(
+        "migrate",
+        help="apply this release's expand migrations (idempotent); --contract: its contract "
+        "migrations, once every worker runs this release",
+    )
+    which = migrate.add_mutually_exclusive_group()
+    which.add_argument(
+        "--contract",
+        action="store_true",
+        help="apply this release's contract migrations (they break the release before it)",
+    )
+    which.add_argument("--revision", help="upgrade to exactly this revision (kinds unchecked)")
     migrate.set_defaults(handler=cmd_migrate)
 
     reap = sub.add_parser("reap", help="run one cycle in this process (no broker)")
@@ -507,6 +580,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from reaper import wiring
 
     wiring.install(settings)
+    if args.handler is not cmd_migrate:
+        refused = _schema_refused(settings)
+        if refused is not None:
+            return refused
     code: int = args.handler(settings, args)
     return code
 

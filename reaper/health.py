@@ -18,8 +18,10 @@ Healthy (200) when both hold:
 Otherwise 503. The answer is JSON either way: ``status``,
 ``last_cycle_age_seconds``, ``last_relay_age_seconds``, ``database``,
 ``limit_seconds``, ``last_run_completed_age_seconds``,
-``closing_limit_seconds`` and ``lock_holder`` (who holds the run lock, read
-only once closings have stopped). The cycle and relay ages come from the
+``closing_limit_seconds``, ``lock_holder`` (who holds the run lock, read
+only once closings have stopped) and ``schema`` (the database's revision, its
+state and the release's range, reaper/release.py: shown, never a cause of
+503; a worker checks it at start). The cycle and relay ages come from the
 gauges every process of the worker writes, so the main process that answers
 sees what its pool children did. The database part is read on a thread of its
 own and waited for at most ``budgets.HEALTH``: the answer never hangs on the
@@ -38,9 +40,10 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import budgets, metrics
+from reaper import budgets, metrics, release, schema
 from reaper.config import Settings
 from reaper.db import engine_of, transaction
+from reaper.release import Verdict
 
 # How many polling intervals without a cycle of this worker it is still healthy.
 INTERVALS = 3
@@ -60,6 +63,7 @@ class Closing:
 
     last_run_completed_age_seconds: float | None  # None: no completed run kept
     lock_holder: dict[str, Any] | None  # read only once closings have stopped
+    schema: Verdict
 
 
 class Check:
@@ -95,6 +99,17 @@ class Check:
             "last_run_completed_age_seconds": None if run_age is None else round(run_age, 3),
             "closing_limit_seconds": self.closing_limit,
             "lock_holder": closing.lock_holder if closing is not None else None,
+            "schema": (
+                closing.schema.to_json()
+                if closing is not None
+                else {  # the database did not answer: the release's range alone
+                    "revision": None,
+                    "state": None,
+                    "release": release.version(),
+                    "needs": release.SCHEMA_NEEDED,
+                    "knows": release.SCHEMA_KNOWN,
+                }
+            ),
         }
         return (200 if healthy else 503), json.dumps(body).encode()
 
@@ -108,6 +123,7 @@ class Check:
                 stopped = age is None or age > self.closing_limit
                 pid = queries.run_lock_holder() if stopped else None
                 activity = queries.backend_activity(pid) if pid is not None else None
+                verdict = schema.read(queries)
         except SQLAlchemyError:
             return None
         holder: dict[str, Any] | None = None
@@ -121,7 +137,7 @@ class Check:
                     "state": activity.state,
                     "transaction_age_seconds": _round(xact_age),
                 }
-        return Closing(age, holder)
+        return Closing(age, holder, verdict)
 
 
 Read = Callable[[], Closing | None]

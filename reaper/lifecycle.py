@@ -4,11 +4,15 @@ Each handler calls its steps in the order written here; no other module of
 the reaper connects to these signals, so no import order decides anything.
 
 - ``worker_init`` (the main process, before the pool forks): JSON logs; the
+  schema check (reaper/schema.py: a schema this release does not run on ends
+  the worker here, one line and exit 3, before it consumes anything); the
   stop event, which the children share; Prometheus in multiprocess mode in a
   directory of its own (``PROMETHEUS_MULTIPROC_DIR`` from the worker's
   environment, else a private temporary one), wiped now; tracing here when the
   pool (solo, threads) runs tasks in this process; a warning when no recorder
   is configured.
+- ``beat_init`` (``celery beat`` on its own): the schema check, as the
+  worker's; an embedded beat (``-B``) was checked with its worker.
 - ``worker_ready``: the main process serves ``/metrics`` and ``/healthz``.
 - ``worker_process_init`` (each pool child, after the fork): drop the
   connections inherited from the parent, then set up tracing.
@@ -28,10 +32,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 from typing import Any
 
 from celery.signals import (
     after_setup_logger,
+    beat_init,
     worker_init,
     worker_process_init,
     worker_process_shutdown,
@@ -39,9 +45,12 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from sqlalchemy import make_url
+from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import db, health, kafka, logs, metrics, tracing, wiring
-from reaper.config import get_settings
+from reaper import db, health, kafka, logs, metrics, release, schema, tracing, wiring
+from reaper.config import Settings, get_settings
+from reaper.errors import describe
 
 logger = logs.get_logger("worker")
 
@@ -52,6 +61,10 @@ _stopping: Any = None
 
 # The main process's /metrics and /healthz server, from worker_ready on.
 _server: metrics.Server | None = None
+
+# Whether this process (or the worker it was forked from) checked the schema:
+# an embedded beat is not checked twice.
+_schema_checked = False
 
 
 def stopping() -> Any:
@@ -67,11 +80,45 @@ def _on_setup_logger(**_: Any) -> None:
     logs.configure(logging.getLevelName(logging.getLogger().level) or "INFO")
 
 
+def check_schema(settings: Settings, process: str) -> None:
+    """Refuse a schema this release does not run on: one log line
+    (``schema.refused``, which says what to do) and exit EXIT_SCHEMA, before the
+    process consumes or schedules anything. A database that cannot be reached
+    is not a refusal: the process starts as it always did (its cycles fail and
+    are retried), saying the schema went unchecked."""
+    global _schema_checked
+    _schema_checked = True
+    try:
+        verdict = schema.check(db.engine_of(settings), settings)
+    except SQLAlchemyError as exc:
+        logs.log(
+            logger,
+            "schema.unchecked",
+            level=logging.WARNING,
+            process=process,
+            release=release.version(),
+            # the driver does not echo the password; make sure
+            error=describe(exc, secrets=[make_url(settings.database_url).password]),
+        )
+        return
+    finally:
+        # Nothing of this connection is handed to the pool's children.
+        db.dispose_engines()
+    schema.log_verdict(verdict, process=process)
+    if not verdict.runs:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # SystemExit passes Celery's signal dispatch (it catches Exception only)
+        # and leaves the process without a traceback.
+        raise SystemExit(release.EXIT_SCHEMA)
+
+
 @worker_init.connect
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     logs.configure()
-    stopping()  # created before the pool forks
     settings = get_settings()
+    check_schema(settings, "worker")
+    stopping()  # created before the pool forks
     if settings.metrics_port:
         metrics.enable_multiprocess(os.environ.get(metrics.MULTIPROC_ENV) or None)
     # solo/threads pools run tasks in this process: no child will configure it
@@ -85,6 +132,13 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             level=logging.WARNING,
             reason="REAPER_RECORDER_URL is unset: no recording stop signals will be sent",
         )
+
+
+@beat_init.connect
+def _on_beat_init(**_: Any) -> None:
+    if not _schema_checked:  # `celery beat` on its own; -B was checked with its worker
+        logs.configure()
+        check_schema(get_settings(), "beat")
 
 
 @worker_ready.connect

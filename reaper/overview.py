@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import Engine, make_url
 
-from reaper import budgets
+from reaper import budgets, schema
 from reaper.census import ACTIVITY_AHEAD_TOLERANCE, activity_ahead_count, census
 from reaper.clock import human
 from reaper.clock import rfc3339_or_none as rfc3339
@@ -43,6 +43,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
         runs = queries.last_runs()
         pauses = queries.active_pauses(ORDER)
         tenant_policies = queries.tenant_policy_count()
+        verdict = schema.read(queries)
     lock: dict[str, Any] = {"held": pid is not None, "holder_pid": pid}
     if activity is not None:
         lock["holder"] = {
@@ -54,6 +55,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
     return {
         "as_of": rfc3339(now),
         "database": safe_url(settings.database_url),
+        "schema": verdict.to_json(),
         "phases": {
             name: {
                 "eligible": p.eligible,
@@ -112,7 +114,13 @@ def _round(value: Any) -> float | None:
 
 
 def format_status(data: dict[str, Any]) -> str:
-    lines = [f"as of {data['as_of']}  database {data['database']}", ""]
+    lines = [f"as of {data['as_of']}  database {data['database']}"]
+    schema_ = data["schema"]
+    lines += [
+        f"schema {schema_['revision']} ({schema_['state']}): release {schema_['release']}"
+        f" runs on {schema_['needs']} to {schema_['knows']}",
+        "",
+    ]
     lines.append(f"{'phase':<18} {'eligible':>8}  oldest overdue")
     for name, p in data["phases"].items():
         overdue = p["oldest_overdue_seconds"]

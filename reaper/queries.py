@@ -521,6 +521,23 @@ class Queries:
         """``finished_at`` and ``age_seconds`` of the last completed run, or None."""
         return _run(self.conn, "last_run_completed").one_or_none()
 
+    # -- the schema (docs/design.md#releases-and-the-schema) ----------------------
+
+    def schema_readable(self) -> ResultRow:
+        """``revision_readable``, ``record_readable``: may this login read them."""
+        return _run(self.conn, "schema_readable").one()
+
+    def schema_revision(self) -> str | None:
+        revision: str | None = _run(self.conn, "schema_revision").scalar_one_or_none()
+        return revision
+
+    def schema_record(self) -> list[ResultRow]:
+        return list(_run(self.conn, "schema_record"))
+
+    def schema_owner(self) -> ResultRow | None:
+        """``owner``, ``acts_as_owner`` of the revision table; None before it exists."""
+        return _run(self.conn, "schema_owner").one_or_none()
+
     # -- anomalies (docs/design.md#anomalies) ------------------------------------
 
     def activity_ahead_count(self, ahead_of: datetime) -> int:

@@ -14,6 +14,7 @@ from sqlalchemy import Engine, create_engine, make_url, text
 
 from reaper.cycle import Reaper
 from reaper.overview import plan
+from reaper.release import SCHEMA_KNOWN, SCHEMA_NEEDED, version
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.processes import ROOT
@@ -177,6 +178,19 @@ def test_plan_and_status_commands_print_text_and_json(engine):
     assert as_json["would_close"] == 9
 
     status = json.loads(cli("status", "--json").stdout)
+    # the schema's revision and this release's range, in both forms
+    assert status["schema"] == {
+        "revision": SCHEMA_KNOWN,
+        "state": "supported",
+        "release": version(),
+        "needs": SCHEMA_NEEDED,
+        "knows": SCHEMA_KNOWN,
+    }
+    assert (
+        f"schema {SCHEMA_KNOWN} (supported): release {version()} runs on {SCHEMA_NEEDED} to"
+        f" {SCHEMA_KNOWN}"
+    ) in cli("status").stdout.splitlines()
+    assert cli("--version").stdout == f"reaper {version()}\n"
     assert set(status["phases"]) == {"empty_room", "provision_timeout", "stale_live"}
     # status is "now": every seeded window is long past
     assert status["active_backlog"] == sum(p["eligible"] for p in status["phases"].values())

@@ -25,6 +25,7 @@ from sqlalchemy import create_engine, text
 
 from reaper.budgets import HEALTH
 from reaper.health import CLOSING_INTERVALS
+from reaper.release import SCHEMA_KNOWN, SCHEMA_NEEDED, version
 from tests.support import factory as f
 from tests.support.facts import output_events
 from tests.support.ports import free_port
@@ -32,7 +33,15 @@ from tests.support.processes import CELERY, ROOT, Worker, children, wait_until
 
 pytestmark = pytest.mark.process
 
-KEYS = {"status", "last_cycle_age_seconds", "last_relay_age_seconds", "database"}
+KEYS = {"status", "last_cycle_age_seconds", "last_relay_age_seconds", "database", "schema"}
+# the schema as /healthz shows it: the database's revision and the release's range
+SCHEMA = {
+    "revision": SCHEMA_KNOWN,
+    "state": "supported",
+    "release": version(),
+    "needs": SCHEMA_NEEDED,
+    "knows": SCHEMA_KNOWN,
+}
 CLOSING_KEYS = {"last_run_completed_age_seconds", "closing_limit_seconds", "lock_holder"}
 LOCK_KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
 GAUGE = "messenger_conf_reaper_last_run_completed_timestamp_seconds"
@@ -92,6 +101,7 @@ def test_healthz_turns_503_when_the_embedded_beat_dies(engine, tmp_path):
         code, body = healthz(port)
         assert code == 200 and set(body) >= KEYS
         assert body["status"] == "ok" and body["database"] == "reachable"
+        assert body["schema"] == SCHEMA
         assert body["last_cycle_age_seconds"] is not None and body["last_cycle_age_seconds"] < 3
 
         # Every child of the worker dies once: the pool replaces its own, the
@@ -301,6 +311,9 @@ def test_healthz_answers_within_its_budget_when_the_database_never_answers(tmp_p
         worker.stop()
     assert all(code in (200, 503) for code, _ in answers), answers
     assert all(body["database"] == "unreachable" for _, body in answers)
+    # the release's range alone: the database did not say its revision
+    unread = SCHEMA | {"revision": None, "state": None}
+    assert all(body["schema"] == unread for _, body in answers)
     assert all(body["last_run_completed_age_seconds"] is None for _, body in answers)
     assert max(took) < budget + 1, took
     # one read of the database in flight at a time, however many answers waited for it

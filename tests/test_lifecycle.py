@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from celery.signals import (
     after_setup_logger,
+    beat_init,
     worker_init,
     worker_process_init,
     worker_process_shutdown,
@@ -28,6 +29,7 @@ from reaper.config import Settings
 SIGNALS = (
     after_setup_logger,
     worker_init,
+    beat_init,
     worker_ready,
     worker_process_init,
     worker_shutting_down,
@@ -82,6 +84,7 @@ def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
     monkeypatch.setattr(lifecycle, "stopping", stopping)
     monkeypatch.setattr(lifecycle, "_stopping", None)  # a stop event of this test's own
     monkeypatch.setattr(lifecycle, "_server", None)
+    monkeypatch.setattr(lifecycle, "_schema_checked", False)
     monkeypatch.setattr(logs, "configure", record("logs.configure"))
     monkeypatch.setattr(logs, "log", lambda _logger, event, **_: steps.append(f"log {event}"))
     monkeypatch.setattr(metrics, "enable_multiprocess", record("metrics.enable_multiprocess"))
@@ -101,11 +104,17 @@ def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
 
     assert during(worker_init, sender=Pool()) == [
         "logs.configure",
+        # the schema, before anything else is set up (the session's database: in range)
+        "db.dispose_engines",  # its connection is not handed to the children
+        "log schema.checked",
         "stopping",  # created before the pool forks, so the children share it
         "metrics.enable_multiprocess",
         "tracing.configure",  # a solo pool runs tasks in the main process
         "log recorder.disabled",
     ]
+    assert during(beat_init) == []  # an embedded beat: checked with its worker
+    monkeypatch.setattr(lifecycle, "_schema_checked", False)  # `celery beat` on its own
+    assert during(beat_init) == ["logs.configure", "db.dispose_engines", "log schema.checked"]
     assert during(worker_ready) == ["metrics.serve"]
     assert during(worker_process_init) == ["db.dispose_engines", "tracing.configure"]
     assert during(worker_shutting_down, sig="SIGTERM", how="Warm") == [

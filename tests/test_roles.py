@@ -36,6 +36,7 @@ TABLES = (
     "reaper_runs",
     "reaper_pauses",
     "reaper_tenant_policies",
+    "reaper_migrations",
 )
 PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 OPERATOR_TABLE_PRIVILEGES: dict[str, set[str]] = {
@@ -47,6 +48,8 @@ OPERATOR_TABLE_PRIVILEGES: dict[str, set[str]] = {
     "reaper_runs": {"SELECT"},
     "reaper_pauses": {"SELECT", "INSERT", "UPDATE", "DELETE"},
     "reaper_tenant_policies": {"SELECT", "INSERT", "UPDATE", "DELETE"},
+    # the schema's record, read by the check every command makes first (0010)
+    "reaper_migrations": {"SELECT"},
 }
 OPERATOR_UPDATE_COLUMNS = {"integration_outbox": {"parked_at", "attempts", "next_attempt_at"}}
 RETENTION_FUNCTION = "messenger.delete_published_outbox(interval, int)"
@@ -95,6 +98,14 @@ def test_operator_role_has_exactly_what_its_commands_need(engine):
                 assert update_columns(conn, OPERATOR, table) == OPERATOR_UPDATE_COLUMNS.get(
                     table, set()
                 ), table
+        assert {
+            p
+            for p in PRIVILEGES
+            if conn.execute(
+                text("SELECT has_table_privilege(:r, 'public.alembic_version', :p)"),
+                {"r": OPERATOR, "p": p},
+            ).scalar()
+        } == {"SELECT"}  # the revision, for the same check
         for what, sql in {
             "CREATE on schema messenger": "SELECT has_schema_privilege(:r, 'messenger', 'CREATE')",
             "CREATE on schema public": "SELECT has_schema_privilege(:r, 'public', 'CREATE')",

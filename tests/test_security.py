@@ -102,18 +102,22 @@ TABLES = (
     "reaper_runs",
     "reaper_pauses",
     "reaper_tenant_policies",
+    "reaper_migrations",
 )
 EXPECTED_TABLE_PRIVILEGES = {
     "conference_sessions": {"SELECT"},
     "conference_participants": {"SELECT"},
     "call_recordings": {"SELECT"},
-    # retention deletes through messenger.delete_published_outbox (migration 0009)
+    # retention deletes through messenger.delete_published_outbox (migration 0009;
+    # the DELETE is taken by the contract migration 0011)
     "integration_outbox": {"SELECT", "INSERT"},
     "realtime_outbox": {"SELECT", "INSERT"},
     "reaper_runs": {"SELECT", "INSERT", "DELETE"},
-    # the operator's controls: read, never written (migration 0009)
+    # the operator's controls: read, never written (migration 0011)
     "reaper_pauses": {"SELECT"},
     "reaper_tenant_policies": {"SELECT"},
+    # the schema's record, read by the check at start (migration 0010)
+    "reaper_migrations": {"SELECT"},
 }
 EXPECTED_UPDATE_COLUMNS = {
     "conference_sessions": {
@@ -147,6 +151,7 @@ EXPECTED_UPDATE_COLUMNS = {
     },
     "reaper_pauses": set(),
     "reaper_tenant_policies": set(),
+    "reaper_migrations": set(),
 }
 
 
@@ -189,6 +194,15 @@ def test_worker_role_has_exactly_what_it_needs(engine):
                 ).scalars()
             )
             assert columns == EXPECTED_UPDATE_COLUMNS[table], table
+        # the revision, read by the check at start (migration 0010), and nothing else of it
+        assert {
+            p
+            for p in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE")
+            if conn.execute(
+                text("SELECT has_table_privilege(:r, 'public.alembic_version', :p)"),
+                {"r": ROLE, "p": p},
+            ).scalar()
+        } == {"SELECT"}
         checks = {
             "CREATE on schema messenger": "SELECT has_schema_privilege(:r, 'messenger', 'CREATE')",
             "CREATE on schema public": "SELECT has_schema_privilege(:r, 'public', 'CREATE')",

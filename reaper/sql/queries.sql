@@ -1031,3 +1031,30 @@ FROM messenger.conference_sessions s
 WHERE s.status = 'Active' AND s.last_activity_at > CAST(:ahead_of AS timestamptz)
 ORDER BY s.last_activity_at DESC, s.id
 LIMIT :limit;
+
+-- name: schema_readable
+-- What of the schema's record this login may read (reaper/schema.py). Asked
+-- first, apart: a statement that names a table it may not read fails whole,
+-- and a database before 0010 has no record, nor a grant of alembic_version to
+-- the reaper's roles. to_regclass is null for a table that does not exist.
+SELECT coalesce(has_table_privilege(to_regclass('public.alembic_version'), 'SELECT'), false)
+           AS revision_readable,
+       coalesce(has_table_privilege(to_regclass('messenger.reaper_migrations'), 'SELECT'), false)
+           AS record_readable;
+
+-- name: schema_revision
+-- The migration the database is at (Alembic's one row; none before the first).
+SELECT version_num FROM public.alembic_version;
+
+-- name: schema_record
+-- The compatibility record: one row per migration applied (0010 on).
+SELECT revision, kind, release, compatible_from
+FROM messenger.reaper_migrations
+ORDER BY revision;
+
+-- name: schema_owner
+-- reaper migrate runs as the schema owner: who owns the revision table, and
+-- whether this login acts as that role (no row: no table yet, a new database).
+SELECT pg_get_userbyid(c.relowner) AS owner, pg_has_role(c.relowner, 'USAGE') AS acts_as_owner
+FROM pg_class c
+WHERE c.oid = to_regclass('public.alembic_version');

@@ -42,7 +42,11 @@ class Worker:
         concurrency: int = 2,
         extra_args: tuple[str, ...] = (),
         prefix: tuple[str, ...] = (),
+        cwd: Path = ROOT,
     ) -> None:
+        # cwd: the tree whose celeryconfig and package the worker loads (another
+        # release's, extracted from git, with PYTHONPATH pointing at it)
+        self.cwd = cwd
         self.workdir = workdir
         self.log_path = workdir / f"{name}.log"
         self.env = {**os.environ, **(env or {})}
@@ -61,7 +65,7 @@ class Worker:
         # so the worker lived on and reaped in later tests' database).
         self.proc = subprocess.Popen(
             self.args,
-            cwd=ROOT,
+            cwd=self.cwd,
             env=self.env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

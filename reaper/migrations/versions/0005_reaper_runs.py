@@ -21,6 +21,13 @@ down_revision = "0004"
 branch_labels = None
 depends_on = None
 
+# The release that brought it, and whether it is an expand (safe while the
+# release before runs) or a contract migration; the oldest release schema head
+# that still runs with it applied (messenger.reaper_migrations, 0010).
+kind = "expand"
+release = "0.1.0"
+compatible_from = "0008"
+
 UPGRADE = """
 CREATE TABLE messenger.reaper_runs (
     run_id text PRIMARY KEY,

@@ -1,18 +1,22 @@
-"""Two roles, each with what it needs and nothing more (docs/design.md#roles).
-
-``reaper_worker`` (migration 0004) runs cycles, the relay, the stop signals and
-retention. From here it only reads the pauses and the tenant policies (0008
-let it change them, because the operator's commands shared its role), and it
-no longer deletes outbox rows itself: retention goes through
-``messenger.delete_published_outbox``, a definer function that deletes only
-published rows older than the retention, which may not be under an hour.
-A stolen worker password can neither steer the reaper nor delete an event that
-is still to be sent.
+"""Two roles, each with what it needs and nothing more (docs/design.md#roles):
+the expand part.
 
 ``reaper_operator`` (new, NOLOGIN) is what ``reaper pause``, ``resume``,
 ``policy``, ``outbox parked|requeue``, ``status`` and ``plan`` need: it reads
 what those commands show, changes the pauses and the tenant policies, and puts
 parked outbox rows back to pending. It cannot change a conference.
+
+``messenger.delete_published_outbox`` lets ``reaper_worker`` keep retention
+without DELETE on the table: a definer function that deletes only published
+rows older than the retention, which may not be under an hour.
+
+Released in 0.2.0, this migration also took from ``reaper_worker`` the rights
+the release before it still used (DELETE on ``integration_outbox``, the writes
+of the control tables): the 0.1.0 workers of a rolling deploy then failed
+every relay pass. Those revokes are now the contract migration 0011, applied
+by ``reaper migrate --contract`` once no worker of the older release runs; a
+database that ran the 0.2.0 text of this migration already has them, and 0011
+changes nothing there.
 
 Logins are members of one role, created by whoever deploys (README
 "Deployment"); the migrations run as the schema owner. Roles belong to the
@@ -30,6 +34,13 @@ down_revision = "0008"
 branch_labels = None
 depends_on = None
 
+# The release that brought it, and whether it is an expand (safe while the
+# release before runs) or a contract migration; the oldest release schema head
+# that still runs with it applied (messenger.reaper_migrations, 0010).
+kind = "expand"
+release = "0.2.0"
+compatible_from = "0008"
+
 OPERATOR = "reaper_operator"
 
 CREATE_OPERATOR = f"""
@@ -45,15 +56,11 @@ $$;
 """
 
 UPGRADE = f"""
--- The worker reads the operator's controls and never writes them.
-REVOKE INSERT, UPDATE, DELETE ON messenger.reaper_pauses, messenger.reaper_tenant_policies
-    FROM reaper_worker;
-
 -- Retention without DELETE on the table: published rows only, older than the
 -- retention by the database's clock, and a retention under an hour is refused
 -- (REAPER_OUTBOX_RETENTION has the same floor). Runs as the owner (SECURITY
--- DEFINER), so its search_path is fixed and every name qualified.
-REVOKE DELETE ON messenger.integration_outbox FROM reaper_worker;
+-- DEFINER), so its search_path is fixed and every name qualified. (The DELETE
+-- the worker had is taken by the contract migration 0011.)
 CREATE FUNCTION messenger.delete_published_outbox(retention interval, batch_size int)
 RETURNS int
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
@@ -105,9 +112,6 @@ END
 $$;
 
 DROP FUNCTION messenger.delete_published_outbox(interval, int);
-GRANT DELETE ON messenger.integration_outbox TO reaper_worker;
-GRANT INSERT, UPDATE, DELETE ON messenger.reaper_pauses, messenger.reaper_tenant_policies
-    TO reaper_worker;
 """
 
 
