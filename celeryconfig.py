@@ -17,7 +17,7 @@ _lock_ttl = _settings.lock_ttl.total_seconds()
 _relay_interval = _settings.relay_interval.total_seconds()
 # A stop pass sends for budgets.stop_pass, then marks what it sent; the limits
 # bound one stuck on its database.
-_stop_soft_limit = budgets.stop_pass_lock(_settings).idle.total_seconds() + 10
+_stop_soft_limit = budgets.stop_pass_give_up(_settings).total_seconds() + 10
 # Retries of stop signals not taken: the first back-off is 5 recorder timeouts,
 # so ticking about that often sends each when it is due.
 _stop_interval = max(5.0, 5 * _settings.recorder_timeout.total_seconds())

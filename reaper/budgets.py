@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from reaper.config import Settings
 
 # A lock check, the run bookkeeping, a mark: statements that touch a row or two.
-# Also the longest a transaction of a drain lane or a relay batch sits idle
-# between its statements: they are sent back to back.
+# Also the longest a transaction of a drain lane sits idle between its
+# statements: they are sent back to back.
 QUICK = timedelta(seconds=5)
 # Read-only statements of an operator command or a metrics scrape: never hang.
 READ = timedelta(seconds=10)
@@ -101,10 +101,13 @@ def peer(settings: Settings) -> Peer:
 
 
 def run_lock(settings: Settings) -> Budget:
-    """The run lock's own transaction. It sits idle while the phase's batches run
-    on other connections; the phase's heartbeat (runs.Heartbeat) speaks on it
-    several times per lease, so only a dead, frozen or hung owner is silent for a
-    whole REAPER_RUN_LEASE, and the server then ends it and frees the lock."""
+    """A lock session's transaction: a phase's run lock, a relay pass's or a stop
+    pass's lock. It sits idle while the work runs on other connections; the
+    holder's heartbeat (lease.Heartbeat) speaks on it several times per lease,
+    so only a dead, frozen, cut-off or hung holder is silent for a whole
+    REAPER_RUN_LEASE, and the server then ends it and frees the lock. Its
+    lock_timeout also bounds a new pass's wait for an earlier holder's marks
+    (lease.pass_lock): those are in their commit, a round trip or two."""
     return Budget(idle=settings.run_lease, statement=QUICK, peer=peer(settings))
 
 
@@ -122,20 +125,25 @@ def read(settings: Settings) -> Budget:
 
 
 def relay_batch(settings: Settings) -> Budget:
-    """A relay batch's transaction waits on Kafka (its acknowledgements and the
-    batch before it): bounded, so a hung relay's row locks are freed and its
-    rows sent again by the next pass."""
-    return Budget(
-        idle=settings.kafka_timeout * 6 + timedelta(seconds=5),
-        statement=RELAY_STATEMENT,
-        peer=peer(settings),
-    )
+    """A relay batch's transaction waits on Kafka between its claim and its marks
+    (its acknowledgements and the batch before it: up to about four Kafka
+    timeouts), holding its rows locked, and so every later event of their deals
+    (the claim lets nothing overtake a row claimed elsewhere). The pass's
+    heartbeat speaks on it while it waits (lease.Heartbeat.tend), so the idle
+    bound is one REAPER_RUN_LEASE whatever Kafka does: a frozen, cut-off or
+    hung relay holds those deals for a lease after it stopped, as it holds the
+    relay lock, never for the Kafka waits of a healthy one (65 s with the
+    defaults before this bound, measured in tests/test_pass_takeover.py)."""
+    return Budget(idle=settings.run_lease, statement=RELAY_STATEMENT, peer=peer(settings))
 
 
-def relay_pass(settings: Settings) -> Budget:
-    """The relay lock's transaction idles for the whole pass."""
-    idle = settings.relay_max_pass_duration + 6 * settings.kafka_timeout + timedelta(seconds=10)
-    return Budget(idle=idle, statement=QUICK, peer=peer(settings))
+def relay_pass_give_up(settings: Settings) -> timedelta:
+    """How long a relay pass's heartbeat speaks for it: the longest a healthy pass
+    runs (no claim after REAPER_RELAY_MAX_PASS_DURATION; the two batches in flight
+    then settle within a few Kafka timeouts, metadata and acknowledgements). A
+    pass alive past it but never ending loses its lock, and its batches' rows,
+    one REAPER_RUN_LEASE later."""
+    return settings.relay_max_pass_duration + 6 * settings.kafka_timeout + timedelta(seconds=10)
 
 
 def producer_close(settings: Settings) -> timedelta:
@@ -157,9 +165,11 @@ def stop_pass(settings: Settings) -> timedelta:
     return STOP_PASS_TIMEOUTS * settings.recorder_timeout
 
 
-def stop_pass_lock(settings: Settings) -> Budget:
-    """The stop lock's transaction idles for the whole pass and its last marks."""
-    return Budget(idle=stop_pass(settings) + 3 * QUICK, statement=QUICK, peer=peer(settings))
+def stop_pass_give_up(settings: Settings) -> timedelta:
+    """How long a stop pass's heartbeat speaks for it: the pass's sending and its
+    last claim and mark transactions. A pass alive past it but never ending loses
+    the stop lock one REAPER_RUN_LEASE later."""
+    return stop_pass(settings) + 3 * QUICK
 
 
 # /healthz's database read (the last completed run, the run lock's holder): a

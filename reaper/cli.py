@@ -213,6 +213,13 @@ def cmd_relay(settings: Settings, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if result.lock_lost:
+        print(
+            "reaper: the relay pass lost its lock midway (see the relay.lock_lost log line): "
+            f"{result.published} published; the pass that took over sends the rest",
+            file=sys.stderr,
+        )
+        return 1
     if result.database_failed:
         print(
             f"reaper: the relay's database work failed: {result.published} published, "

@@ -28,6 +28,7 @@ from reaper.events import (
     ItemFailed,
     LockLost,
     OutboxRequeued,
+    PassLockLost,
     PhaseCompleted,
     PhaseFailed,
     PhaseMassClosure,
@@ -69,6 +70,7 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(PhaseCompleted, phase_completed)
     bus.subscribe(PhaseFailed, phase_failed)
     bus.subscribe(LockLost, lock_lost)
+    bus.subscribe(PassLockLost, pass_lock_lost)
     bus.subscribe(RelayBatchCommitted, relay_batch)
     bus.subscribe(RelayKafkaUnavailable, relay_kafka_unavailable)
     bus.subscribe(RelayTopicMissing, relay_topic_missing)
@@ -310,6 +312,13 @@ def relay_retention_deleted(fact: RelayRetentionDeleted) -> None:
     log(relay_logger, "relay.retention_deleted", count=fact.count, cutoff=fact.cutoff)
 
 
+def pass_lock_lost(fact: PassLockLost) -> None:
+    if fact.lock == "relay":
+        log(relay_logger, "relay.lock_lost", level=logging.ERROR, error=fact.error)
+    else:
+        log(recorder_logger, "recorder.lock_lost", level=logging.ERROR, error=fact.error)
+
+
 def relay_pass(fact: RelayPassCompleted) -> None:
     result = fact.result
     if result.skipped:
@@ -331,6 +340,7 @@ def relay_pass(fact: RelayPassCompleted) -> None:
         deleted=result.deleted,
         kafka_unavailable=result.kafka_unavailable,
         timed_out=result.timed_out,
+        lock_lost=result.lock_lost,
         duration_ms=fact.duration_ms,
     )
 

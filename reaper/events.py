@@ -241,6 +241,17 @@ class LockLost:
     error: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassLockLost:
+    """A relay pass or a stop pass lost its lock midway (reaper/lease.py): the
+    server or the network ended its lock session (a frozen or cut-off holder, a
+    hung one past its give-up bound). Its later claims and marks were fenced
+    off; another pass sends what it left."""
+
+    lock: str  # "relay" or "stop"
+    error: str
+
+
 # -- after the commit ------------------------------------------------------------
 
 
@@ -264,6 +275,7 @@ class RecorderPassCompleted:
     retried: int = 0  # signals sent that had been sent before
     retried_taken: int = 0
     skipped: bool = False  # another pass was running
+    lock_lost: bool = False  # the stop lock was lost midway: its marks were fenced off
     duration_ms: int = 0
 
     @property
@@ -359,6 +371,7 @@ class RelayResult:
     database_failed: bool = False
     skipped: bool = False  # another relay's pass was running
     timed_out: bool = False  # Celery's soft time limit ended it
+    lock_lost: bool = False  # the relay lock was lost midway: the rest was fenced off
 
     def to_json(self) -> dict[str, Any]:
         """The task's result and ``reaper relay --once``'s (docs/design.md#tasks)."""

@@ -58,6 +58,7 @@ from reaper.events import (
     CycleStarted,
     GaugesMeasured,
     LockLost,
+    PassLockLost,
     PhaseCompleted,
     PhaseFailed,
     PhaseMassClosure,
@@ -350,6 +351,7 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(PhaseCompleted, _phase_completed)
     bus.subscribe(PhaseFailed, _phase_failed)
     bus.subscribe(LockLost, _lock_lost)
+    bus.subscribe(PassLockLost, _pass_lock_lost)
     bus.subscribe(PhaseMassClosure, _mass_closure)
     bus.subscribe(StopSignalsSent, _stop_signals)
     bus.subscribe(GaugesMeasured, _gauges)
@@ -398,6 +400,11 @@ def _phase_failed(fact: PhaseFailed) -> None:
 def _lock_lost(fact: LockLost) -> None:
     # Its own error, also when it made the phase fail (counted there too): a lock
     # lost after the phase's last batch fails nothing and would go uncounted.
+    _m().errors.inc()
+
+
+def _pass_lock_lost(fact: PassLockLost) -> None:
+    # A relay or stop pass that lost its lock midway: a frozen or cut-off worker.
     _m().errors.inc()
 
 

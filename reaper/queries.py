@@ -338,16 +338,37 @@ class Queries:
             backoff_max_s=backoff_max_s,
         ).rowcount
 
-    def claim_stops_due(self, *, window_s: float, lease_s: float, limit: int) -> list[ResultRow]:
+    def claim_stops_due(
+        self, *, window_s: float, lease_s: float, limit: int, holder_pid: int | None
+    ) -> list[ResultRow]:
+        """The due signals, claimed; none once the stop lock is no longer held by
+        ``holder_pid`` (None: a pass that takes no lock)."""
         return list(
-            _run(self.conn, "claim_stops_due", window_s=window_s, lease_s=lease_s, limit=limit)
+            _run(
+                self.conn,
+                "claim_stops_due",
+                window_s=window_s,
+                lease_s=lease_s,
+                limit=limit,
+                holder_pid=holder_pid,
+            )
         )
 
     def release_stops(self, recording_ids: list[str]) -> int:
         return _run(self.conn, "release_stops", recording_ids=recording_ids).rowcount
 
-    def try_stop_lock(self) -> bool:
-        return bool(_run(self.conn, "try_stop_lock").scalar())
+    def try_stop_lock(self) -> int | None:
+        """This session's backend pid when it took the stop lock, else None."""
+        pid: int | None = _run(self.conn, "try_stop_lock").scalar_one()
+        return pid
+
+    def stop_marks_fence(self, holder_pid: int) -> bool:
+        """Whether the stop lock is still held by ``holder_pid``, the gate of the
+        marks taken for this transaction."""
+        return bool(_run(self.conn, "stop_marks_fence", holder_pid=holder_pid).scalar_one())
+
+    def wait_stop_marks(self) -> None:
+        _run(self.conn, "wait_stop_marks")
 
     # -- the outbox relay ----------------------------------------------------
 
@@ -357,8 +378,12 @@ class Queries:
     def relay_planner(self) -> None:
         _run(self.conn, "relay_planner")
 
-    def claim_outbox_batch(self, batch_size: int) -> list[ResultRow]:
-        return list(_run(self.conn, "claim_outbox_batch", batch_size=batch_size))
+    def claim_outbox_batch(self, batch_size: int, holder_pid: int | None) -> list[ResultRow]:
+        """A batch of due rows, locked; none once the relay lock is no longer held by
+        ``holder_pid`` (None: a pass that takes no lock)."""
+        return list(
+            _run(self.conn, "claim_outbox_batch", batch_size=batch_size, holder_pid=holder_pid)
+        )
 
     def mark_outbox_published(self, ids: list[int]) -> int:
         return _run(self.conn, "mark_outbox_published", ids=ids).rowcount
@@ -412,8 +437,18 @@ class Queries:
         ).scalar_one()
         return int(deleted)
 
-    def try_relay_lock(self) -> bool:
-        return bool(_run(self.conn, "try_relay_lock").scalar())
+    def try_relay_lock(self) -> int | None:
+        """This session's backend pid when it took the relay lock, else None."""
+        pid: int | None = _run(self.conn, "try_relay_lock").scalar_one()
+        return pid
+
+    def relay_marks_fence(self, holder_pid: int) -> bool:
+        """Whether the relay lock is still held by ``holder_pid``, the gate of the
+        marks taken for this transaction."""
+        return bool(_run(self.conn, "relay_marks_fence", holder_pid=holder_pid).scalar_one())
+
+    def wait_relay_marks(self) -> None:
+        _run(self.conn, "wait_relay_marks")
 
     # -- operations: metrics, reaper status / plan ----------------------------
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Literal
 from urllib.parse import quote, urlsplit
@@ -39,10 +39,19 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import budgets
 from reaper.config import Settings
-from reaper.db import begin, engine_of, transaction
+from reaper.db import engine_of, transaction
 from reaper.errors import describe
-from reaper.events import Bus, RecorderPassCompleted, StopRequest, StopSignalsSent, process_bus
+from reaper.events import (
+    Bus,
+    PassLockLost,
+    RecorderPassCompleted,
+    StopRequest,
+    StopSignalsSent,
+    process_bus,
+)
+from reaper.lease import PassLock, pass_lock
 from reaper.logs import get_logger, log
+from reaper.queries import Queries
 
 logger = get_logger("recorder")
 
@@ -185,6 +194,7 @@ class StopPassResult:
     retried: int = 0  # signals sent that had been sent before
     retried_taken: int = 0
     skipped: bool = False  # another pass was running
+    lock_lost: bool = False  # the stop lock was lost midway: its marks were fenced off
     duration_ms: int = 0
 
     @property
@@ -205,6 +215,12 @@ class StopPass:
     (exponential back-off), or not started (due again at once). Claims again
     while a whole recorder timeout is left. The threads end with the pass:
     every call ends by its own deadline, which never passes the pass's.
+
+    The stop lock is held as the relay's is (reaper/lease.py): a lock session
+    its heartbeat keeps alive, ended by the server one REAPER_RUN_LEASE after
+    the pass froze or was cut off; its claims and marks are fenced on it, so a
+    pass woken after another took over changes nothing (the claims' lease
+    makes its signals due again).
     """
 
     CLAIM_LIMIT = 500
@@ -247,14 +263,19 @@ class StopPass:
         result = StopPassResult()
         if self.client is None:
             return result
+        lock: PassLock | None = None
         try:
-            with self._pass_lock() as acquired:
-                if acquired:
-                    self._pass(result, deadline=started + self.duration)
+            with self._pass_lock() as lock:
+                if lock is not None:
+                    self._pass(result, lock, deadline=started + self.duration)
                 else:
                     result.skipped = True
         except SQLAlchemyError as exc:  # best effort: the signals are due again later
             log(logger, "recorder.db_failed", level=logging.WARNING, error=describe(exc))
+        if lock is not None and (lock.error is not None or result.lock_lost):
+            result.lock_lost = True
+            error = lock.error or "the pass found the stop lock gone at its marks"
+            self.bus.emit(PassLockLost(lock="stop", error=error))
         result.duration_ms = round((self.clock() - started) * 1000)
         self.bus.emit(RecorderPassCompleted(**asdict(result)))
         return result
@@ -264,48 +285,55 @@ class StopPass:
         when the database cannot tell (another pass is harmless)."""
         try:
             with transaction(self.engine, budgets.quick(self.settings)) as queries:
-                return not queries.try_stop_lock()  # a lock taken here ends with the probe
+                # a lock taken here ends with the probe
+                return queries.try_stop_lock() is None
         except SQLAlchemyError:
             return False
 
     @contextmanager
-    def _pass_lock(self) -> Iterator[bool]:
+    def _pass_lock(self) -> Iterator[PassLock | None]:
         """One pass at a time across all workers, so passes never fill every
-        worker slot: the lock's transaction idles on a connection of its own for
-        the pass, and the server ends it (freeing the lock) past its bound."""
+        worker slot: the stop lock for one pass (lease.pass_lock), or None when
+        another pass holds it. A pass without the lock (``exclusive`` off, the
+        pass of `reaper reap --once`) fences nothing: its lock is a stand-in."""
         if not self.exclusive:
-            yield True
+            yield PassLock.unlocked()
             return
-        conn = self.engine.connect()
-        try:
-            tx, queries = begin(conn, budgets.stop_pass_lock(self.settings))
-            try:
-                yield queries.try_stop_lock()
-            finally:
-                with suppress(SQLAlchemyError):
-                    tx.rollback()
-        finally:
-            conn.close()
+        with pass_lock(
+            self.engine,
+            self.settings,
+            take=Queries.try_stop_lock,
+            wait_for_marks=Queries.wait_stop_marks,
+            give_up_s=budgets.stop_pass_give_up(self.settings).total_seconds(),
+        ) as lock:
+            yield lock
 
-    def _pass(self, result: StopPassResult, deadline: float) -> None:
+    def _pass(self, result: StopPassResult, lock: PassLock, deadline: float) -> None:
         assert self.client is not None
         client = self.client
         with ThreadPoolExecutor(PARALLEL_CALLS, thread_name_prefix="recorder") as pool:
-            while self.clock() + self.timeout <= deadline and not self.stop_event.is_set():
-                requests = self._claim(lease_s=deadline - self.clock() + self.timeout)
+            while (
+                self.clock() + self.timeout <= deadline
+                and not self.stop_event.is_set()
+                and not lock.lost
+            ):
+                requests = self._claim(lock, lease_s=deadline - self.clock() + self.timeout)
                 if not requests:
                     return
                 outcomes = list(pool.map(lambda r: client.stop(r, deadline), requests))
-                self._settle(result, requests, outcomes)
+                if not self._settle(result, lock, requests, outcomes):
+                    result.lock_lost = True
+                    return
                 if len(requests) < self.CLAIM_LIMIT:
                     return
 
-    def _claim(self, lease_s: float) -> list[StopRequest]:
+    def _claim(self, lock: PassLock, lease_s: float) -> list[StopRequest]:
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             rows = queries.claim_stops_due(
                 window_s=self.settings.recorder_retry_window.total_seconds(),
                 lease_s=lease_s,
                 limit=self.CLAIM_LIMIT,
+                holder_pid=lock.holder_pid,
             )
         return [
             StopRequest(r.recording_id, r.conference_id, r.end_reason, r.stop_attempts)
@@ -313,8 +341,15 @@ class StopPass:
         ]
 
     def _settle(
-        self, result: StopPassResult, requests: list[StopRequest], outcomes: list[Outcome]
-    ) -> None:
+        self,
+        result: StopPassResult,
+        lock: PassLock,
+        requests: list[StopRequest],
+        outcomes: list[Outcome],
+    ) -> bool:
+        """Count what was sent and mark it; False when the stop lock was gone at the
+        marks (fenced: nothing marked, the claims' lease makes them due again).
+        The calls themselves are counted either way: they were made."""
         taken = [r for r, o in zip(requests, outcomes, strict=True) if o == "taken"]
         failed = [r for r, o in zip(requests, outcomes, strict=True) if o == "failed"]
         unsent = [r for r, o in zip(requests, outcomes, strict=True) if o == "unsent"]
@@ -326,6 +361,8 @@ class StopPass:
         result.retried_taken += sum(1 for r in taken if r.attempts > 0)
         self.bus.emit(StopSignalsSent(requested=len(sent), taken=len(taken)))
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
+            if lock.holder_pid is not None and not queries.stop_marks_fence(lock.holder_pid):
+                return False
             if taken:
                 queries.mark_stop_requested([r.recording_id for r in taken])
             if failed:
@@ -336,3 +373,4 @@ class StopPass:
                 )
             if unsent:
                 queries.release_stops([r.recording_id for r in unsent])
+        return True

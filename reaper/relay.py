@@ -19,8 +19,16 @@ While one batch is awaited and marked (on a closer thread), the next is
 claimed and sent; their keys never overlap, so a deal's events never overtake
 each other. Killed between the send and the mark, a batch's transaction rolls
 back and the next pass re-sends the same ``eventId`` (at least once;
-consumers dedupe by it). One pass runs at a time across all workers
-(``try_relay_lock``). See docs/design.md#the-outbox-relay.
+consumers dedupe by it). See docs/design.md#the-outbox-relay.
+
+One pass runs at a time across all workers: it holds the relay lock as a phase
+holds the run lock (reaper/lease.py), on a lock session its heartbeat keeps
+alive, which the server ends after one REAPER_RUN_LEASE of silence. The
+heartbeat also speaks on the batches' transactions while they wait on Kafka,
+so a frozen or cut-off relay frees its lock and its claimed rows a lease after
+it stopped. Its claims and its marks are fenced on the lock session: a relay
+that lost the lock claims nothing more, and a batch it settles afterwards
+commits nothing (its rows are sent again by the pass that took over).
 
 Errors are classified by kafka-python's public ``KafkaError.retriable``:
 Kafka unreachable ends the pass at once; a retriable failure backs the row
@@ -56,6 +64,7 @@ from reaper.db import begin, engine_of, transaction
 from reaper.errors import describe
 from reaper.events import (
     Bus,
+    PassLockLost,
     RelayBatchCommitted,
     RelayCloseFailed,
     RelayDbFailed,
@@ -67,6 +76,7 @@ from reaper.events import (
     process_bus,
 )
 from reaper.kafka import ProducerSlot, process_slot
+from reaper.lease import Heartbeat, PassLock, pass_lock
 from reaper.logs import get_logger, log
 from reaper.queries import Queries
 from reaper.traceids import traceparent
@@ -118,9 +128,12 @@ class BatchReport:
     held_back: int = 0
     unavailable: BaseException | None = None
     producer_broken: bool = False
+    # the relay lock was gone when the batch came to its marks: nothing committed
+    fenced: bool = False
 
     def add_to(self, result: RelayResult) -> None:
         """This settled batch's part of the pass: the one place totals are added up."""
+        result.lock_lost = result.lock_lost or self.fenced
         result.published += len(self.published)
         result.failed += len(self.failures) + len(self.unreached) - self.out_of_attempts
         result.parked += len(self.refused) + self.out_of_attempts
@@ -134,6 +147,7 @@ class InFlight:
 
     conn: Connection
     transaction: RootTransaction
+    heartbeat: Heartbeat  # speaks on the transaction while it waits on Kafka
     rows: list[Row] = field(default_factory=list)
     report: BatchReport = field(default_factory=BatchReport)
     by_key: OrderedDict[str, deque[Row]] = field(default_factory=OrderedDict)
@@ -143,6 +157,7 @@ class InFlight:
     def abandon(self) -> None:
         """Roll back what is not committed (locks freed, rows left pending) and
         return the connection; safe to call twice."""
+        self.heartbeat.untend(self.conn)
         with suppress(SQLAlchemyError):
             if self.transaction.is_active:
                 self.transaction.rollback()
@@ -180,42 +195,52 @@ class Relay:
         """One pass, unless another relay's pass is running (then only the gauges)."""
         started = time.monotonic()
         result = RelayResult()
+        lock: PassLock | None = None
         try:
-            with self._pass_lock() as acquired:
-                if acquired:
-                    self._pass(result)
+            with self._pass_lock() as lock:
+                if lock is not None:
+                    self._pass(result, lock)
                 else:
                     result.skipped = True
         except SQLAlchemyError as exc:
             self._database_failed(result, exc)
+        if lock is not None and (lock.error is not None or result.lock_lost):
+            result.lock_lost = True
+            error = lock.error or "a batch found the relay lock gone at its marks"
+            self.bus.emit(PassLockLost(lock="relay", error=error))
         self._measure(result)
         duration_ms = round((time.monotonic() - started) * 1000)
         self.bus.emit(RelayPassCompleted(result=result, duration_ms=duration_ms))
         return result
 
     @contextmanager
-    def _pass_lock(self) -> Iterator[bool]:
-        """The relay lock, on a connection of its own that idles during the pass; the
-        server ends that session (freeing the lock) if the pass outlives its bound."""
-        if not self.exclusive:
-            yield True
+    def _pass_lock(self) -> Iterator[PassLock | None]:
+        """The relay lock for one pass (lease.pass_lock), or None when another pass
+        holds it. A pass without the lock (``exclusive`` off) still has a heartbeat
+        for its batches' transactions."""
+        give_up_s = budgets.relay_pass_give_up(self.settings).total_seconds()
+        if self.exclusive:
+            with pass_lock(
+                self.engine,
+                self.settings,
+                take=Queries.try_relay_lock,
+                wait_for_marks=Queries.wait_relay_marks,
+                give_up_s=give_up_s,
+            ) as lock:
+                yield lock
             return
-        conn = self.engine.connect()
+        heartbeat = Heartbeat.per_lease(None, self.settings, give_up_s)
+        heartbeat.start()
         try:
-            tx, queries = begin(conn, budgets.relay_pass(self.settings))
-            try:
-                yield queries.try_relay_lock()
-            finally:
-                with suppress(SQLAlchemyError):
-                    tx.rollback()
+            yield PassLock(None, heartbeat)
         finally:
-            conn.close()
+            heartbeat.stop()
 
-    def _pass(self, result: RelayResult) -> None:
-        """Batches until a claim finds nothing, Kafka is gone, a stop is asked or the
-        pass's time is spent; then retention."""
+    def _pass(self, result: RelayResult, lock: PassLock) -> None:
+        """Batches until a claim finds nothing, Kafka is gone, the lock is lost, a
+        stop is asked or the pass's time is spent; then retention."""
         deadline = time.monotonic() + self.settings.relay_max_pass_duration.total_seconds()
-        batches = RelayBatches(self.settings, self.engine, self.producers, self.bus)
+        batches = RelayBatches(self.settings, self.engine, self.producers, self.bus, lock)
         current: InFlight | None = None
         following: InFlight | None = None
         # One batch is awaited, marked and committed on this thread while the
@@ -233,13 +258,14 @@ class Relay:
                     current.report.unavailable is not None
                     or time.monotonic() >= deadline
                     or self.stop_event.is_set()
+                    or lock.lost
                 )
                 closing, current = closer.submit(batches.settle, current), None
                 following = batches.claim_and_send() if more else None
                 report = closing.result()
                 closing = None
                 report.add_to(result)
-                if report.unavailable is not None:
+                if report.unavailable is not None or report.fenced:
                     if following is not None:  # sent already: settle it, then stop
                         settling, following = following, None
                         batches.settle(settling).add_to(result)
@@ -265,8 +291,8 @@ class Relay:
                     closing.result().add_to(result)
                 elif not isinstance(failure, SQLAlchemyError | SoftTimeLimitExceeded):
                     self.bus.emit(RelayCloseFailed(error=describe(failure)))
-        if not result.timed_out:
-            result.deleted = self._retention(deadline)
+        if not (result.timed_out or result.lock_lost or lock.lost):
+            result.deleted = self._retention(deadline, lock.holder_pid)
 
     def _database_failed(self, result: RelayResult, exc: SQLAlchemyError) -> None:
         result.database_failed = True
@@ -280,14 +306,17 @@ class Relay:
         except SQLAlchemyError as exc:
             self._database_failed(result, exc)
 
-    def _retention(self, deadline: float) -> int:
-        """Delete published rows older than the retention, a small batch per transaction."""
+    def _retention(self, deadline: float, holder_pid: int | None) -> int:
+        """Delete published rows older than the retention, a small batch per
+        transaction, each fenced as the marks are (nothing once the lock is gone)."""
         # the database compares by its own clock; the fact's cutoff is this process's view
         cutoff = datetime.now(UTC) - self.settings.outbox_retention
         deleted = 0
         try:
             for _ in range(RETENTION_MAX_BATCHES):
                 with transaction(self.engine, budgets.quick(self.settings)) as queries:
+                    if holder_pid is not None and not queries.relay_marks_fence(holder_pid):
+                        break
                     count = queries.delete_published_outbox(
                         self.settings.outbox_retention, RETENTION_BATCH
                     )
@@ -308,12 +337,18 @@ class RelayBatches:
     for a phase's batches."""
 
     def __init__(
-        self, settings: Settings, engine: Engine, producers: ProducerSlot, bus: Bus
+        self,
+        settings: Settings,
+        engine: Engine,
+        producers: ProducerSlot,
+        bus: Bus,
+        lock: PassLock,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.producers = producers
         self.bus = bus
+        self.lock = lock
         self.kafka_timeout = settings.kafka_timeout.total_seconds()
 
     # -- claim, send the first round ----------------------------------------
@@ -323,14 +358,18 @@ class RelayBatches:
         nothing is due."""
         conn = self.engine.connect()
         tx, queries = begin(conn, budgets.relay_batch(self.settings))
-        flight = InFlight(conn, tx)
+        flight = InFlight(conn, tx, self.lock.heartbeat)
         try:
             queries.relay_planner()
-            flight.rows = queries.claim_outbox_batch(self.settings.relay_batch_size)
+            flight.rows = queries.claim_outbox_batch(
+                self.settings.relay_batch_size, self.lock.holder_pid
+            )
             flight.report.claimed = len(flight.rows)
-            if not flight.rows:
+            if not flight.rows:  # nothing due, or the lock is gone (the fence)
                 flight.abandon()
                 return None
+            # from here the transaction waits on Kafka: the heartbeat speaks on it
+            self.lock.heartbeat.tend(conn)
             for row in flight.rows:  # id order, so each key's queue is in commit order
                 flight.by_key.setdefault(row.message_key, deque()).append(row)
             try:
@@ -395,7 +434,14 @@ class RelayBatches:
                 self.producers.discard(f"Kafka unavailable: {error}")
             elif report.producer_broken:
                 self.producers.discard("the producer hit a fatal error")
-            self._mark(Queries(flight.conn), report)
+            # the marks follow back to back: the heartbeat leaves the transaction
+            self.lock.heartbeat.untend(flight.conn)
+            queries = Queries(flight.conn)
+            holder = self.lock.holder_pid
+            if holder is not None and not queries.relay_marks_fence(holder):
+                # the lock is gone: commit nothing, the rows go again with its new holder
+                return BatchReport(claimed=report.claimed, fenced=True)
+            self._mark(queries, report)
             flight.transaction.commit()
         finally:
             flight.abandon()  # rolls back unless committed; returns the connection

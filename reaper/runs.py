@@ -7,7 +7,7 @@ Two things keep cycles apart (docs/design.md#one-cycle-at-a-time):
   a phase holds it, in a transaction on a connection of its own, while its
   batches run on others. It ends with that transaction, so it never travels
   back into the pool. The phase proves it is alive on that connection several
-  times per ``REAPER_RUN_LEASE`` (:class:`Heartbeat`); the server ends a lock
+  times per ``REAPER_RUN_LEASE`` (lease.Heartbeat); the server ends a lock
   session that stays silent for a whole lease (``idle_in_transaction_session_
   timeout``) and one whose client stopped acknowledging (``tcp_user_timeout``,
   keepalives). A killed owner's lock is freed at once, a frozen or partitioned
@@ -38,7 +38,6 @@ import json
 import os
 import socket
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -51,14 +50,12 @@ from reaper.clock import rfc3339, utcnow
 from reaper.config import Settings
 from reaper.db import begin, transaction
 from reaper.errors import describe
+from reaper.lease import Heartbeat
 from reaper.phases import PHASES
 from reaper.queries import Queries
 
 # An as_of given by hand may be at most this much later than the database's clock.
 AS_OF_TOLERANCE = timedelta(seconds=5)
-# How often a phase proves it is alive per REAPER_RUN_LEASE: a late beat or two
-# (a busy process, a slow round trip) never costs the lock.
-HEARTBEATS_PER_LEASE = 4
 # Finished runs are kept this long (reaper status), then deleted at a run's end.
 KEEP_FINISHED = timedelta(days=1)
 
@@ -194,41 +191,6 @@ class RunLost(RuntimeError):
     ended it, or the network did), or another cycle took the run over."""
 
 
-class Heartbeat:
-    """The phase's proof of life on its lock session, from a thread of its own.
-
-    Every ``period`` it runs one statement on that session, so the server's idle
-    bound (a whole REAPER_RUN_LEASE of silence) ends only a dead, frozen or
-    partitioned owner's session. After ``give_up`` (REAPER_LOCK_TTL from the
-    claim) it stops: a phase that is alive but never ends then loses the lock one
-    lease later. The phase's own thread leaves the session alone from the claim
-    until :meth:`stop` has returned (its batches run on other connections).
-    """
-
-    def __init__(self, conn: Connection, *, period_s: float, give_up_s: float) -> None:
-        self.conn = conn
-        self._period_s = period_s
-        self._give_up_at = time.monotonic() + give_up_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="reaper-heartbeat", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._period_s):
-            if time.monotonic() >= self._give_up_at:
-                return
-            try:
-                Queries(self.conn).run_heartbeat()
-            except SQLAlchemyError:
-                return  # the session is gone: the release tells it (LockLost)
-
-
 class PhaseClaim:
     """The run lock held for one phase, on its own connection, with the run's state.
 
@@ -254,11 +216,7 @@ class PhaseClaim:
         self.engine = engine
         # why an operator paused this phase (read under the lock), or None
         self.paused = paused
-        self.heartbeat = Heartbeat(
-            conn,
-            period_s=settings.run_lease.total_seconds() / HEARTBEATS_PER_LEASE,
-            give_up_s=settings.lock_ttl.total_seconds(),
-        )
+        self.heartbeat = Heartbeat.per_lease(conn, settings, settings.lock_ttl.total_seconds())
         self.heartbeat.start()
 
     def release(self) -> str | None:

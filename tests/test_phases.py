@@ -34,7 +34,9 @@ def reported_stops(bus: Bus) -> list:
 def claim_due_stops(engine: Engine) -> list[tuple[str, str, str]]:
     """What a stop pass would claim now (a window reaching back to T0)."""
     with transaction(engine, budgets.quick(Settings())) as queries:
-        rows = queries.claim_stops_due(window_s=100 * 365 * 86400, lease_s=60, limit=100)
+        rows = queries.claim_stops_due(
+            window_s=100 * 365 * 86400, lease_s=60, limit=100, holder_pid=None
+        )
     return sorted((r.recording_id, r.conference_id, r.end_reason) for r in rows)
 
 

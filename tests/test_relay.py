@@ -30,6 +30,7 @@ from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.events import Bus, RelayBatchCommitted, process_bus
 from reaper.kafka import ProducerSlot, producer_config
+from reaper.lease import PassLock
 from reaper.queries import Queries
 from reaper.relay import Relay, RelayBatches
 from reaper.traceids import cycle_span_id_for
@@ -627,7 +628,7 @@ def test_a_pass_ended_mid_way_settles_its_batches_in_flight(
     records = read_topic(kafka_broker, topic, expect=result.published + 1, timeout=3)
     assert len(records) == result.published
     with engine.connect() as conn:  # nothing is left locked: all of it claimable again
-        claimable = Queries(conn).claim_outbox_batch(10_000)
+        claimable = Queries(conn).claim_outbox_batch(10_000, None)
         conn.rollback()
     assert len(claimable) == result.pending
 
@@ -784,7 +785,9 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
     brokers are connected but know no partition of the topic (as Kafka answers with
     allow_auto_create_topics off)."""
     caplog.set_level(logging.INFO, "reaper")
-    batches = RelayBatches(rsettings, engine, producers.slot(rsettings), process_bus)
+    batches = RelayBatches(
+        rsettings, engine, producers.slot(rsettings), process_bus, PassLock.unlocked()
+    )
     missing = f"never.created.{uuid.uuid4().hex[:6]}"
 
     class Connected:

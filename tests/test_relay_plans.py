@@ -68,6 +68,8 @@ def outbox(request: pytest.FixtureRequest, engine: Engine) -> Iterator[Connectio
             ).scalar_one()
             assert reltuples == 0, "the statistics must say the table is empty"
         conn.execute(text(load()["relay_planner"].text))
+        # the claim as a pass runs it: fenced on the relay lock, held by this session
+        assert conn.execute(text(load()["try_relay_lock"].text)).scalar_one() is not None
         try:
             yield conn
         finally:
@@ -129,8 +131,14 @@ def rows_removed(plan: dict[str, Any]) -> int:
     )
 
 
+def claim(conn: Connection) -> dict[str, Any]:
+    """The claim's parameters, fenced on this session's relay lock (a pass's)."""
+    pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    return {"batch_size": BATCH, "holder_pid": pid}
+
+
 def test_the_claim_keeps_its_plan_whatever_the_statistics(outbox: Connection) -> None:
-    plan = explain(outbox, load()["claim_outbox_batch"].text, {"batch_size": BATCH})
+    plan = explain(outbox, load()["claim_outbox_batch"].text, claim(outbox))
     assert claim_problems(plan) == [], outline(plan)
 
 
@@ -138,7 +146,7 @@ def test_a_claim_of_a_fresh_backlog_reads_the_batch_not_the_backlog(outbox: Conn
     """Run for real: the rows the per-key probes pass over stay near the batch's
     own rows (each deal has 4 rows here), never the earlier pending rows of every
     candidate (~BATCH**2 / 2)."""
-    plan = explain(outbox, load()["claim_outbox_batch"].text, {"batch_size": BATCH}, analyze=True)
+    plan = explain(outbox, load()["claim_outbox_batch"].text, claim(outbox), analyze=True)
     assert plan["Actual Rows"] == BATCH
     assert rows_removed(plan) < 2 * BATCH, outline(plan)
 
@@ -160,9 +168,10 @@ def test_the_check_sees_probes_that_walk_another_index(engine: Engine) -> None:
         conn.execute(text(FILL), {"keys": KEYS, "pending": PENDING})
         conn.execute(text("DROP INDEX messenger.ix_integration_outbox_pending_key"))
         conn.execute(text(load()["relay_planner"].text))
+        conn.execute(text(load()["try_relay_lock"].text))
         sql = load()["claim_outbox_batch"].text
-        found = claim_problems(explain(conn, sql, {"batch_size": BATCH}))
-        removed = rows_removed(explain(conn, sql, {"batch_size": BATCH}, analyze=True))
+        found = claim_problems(explain(conn, sql, claim(conn)))
+        removed = rows_removed(explain(conn, sql, claim(conn), analyze=True))
         tx.rollback()
     assert any(p.startswith("a per-key probe uses") for p in found), found
     assert removed > 2 * BATCH

@@ -613,6 +613,13 @@ WITH due AS (
       AND r.status IN ('Pending', 'Recording', 'Uploading')
       AND r.stop_requested_at IS NULL
       AND (r.stop_next_attempt_at IS NULL OR r.stop_next_attempt_at <= clock_timestamp())
+      -- the fence: nothing is claimed once the pass's lock session lost the stop
+      -- lock (NULL: the pass of `reaper reap --once`, which takes no lock)
+      AND (CAST(:holder_pid AS integer) IS NULL OR EXISTS (
+               SELECT FROM pg_locks l
+               WHERE
+                   -- include: stop_lock_held
+           ))
     ORDER BY s.ended_at, r.id
     LIMIT :limit
     FOR UPDATE OF r SKIP LOCKED
@@ -634,8 +641,49 @@ WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
 -- name: try_stop_lock
 -- One stop-signal pass at a time across all workers, so passes never fill every
 -- worker slot (the claim's lease would keep concurrent passes apart anyway).
--- Held until the end of the calling transaction.
-SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper.recorder', 0));
+-- Held until the end of the calling transaction. The lock session's backend
+-- pid when taken (the fence of the pass's claims and marks), else NULL.
+SELECT CASE WHEN pg_try_advisory_xact_lock(
+                     hashtextextended('messenger.conference-room-reaper.recorder', 0))
+            THEN pg_backend_pid() END AS holder_pid;
+
+-- fragment: stop_lock_held
+-- The stop lock is held by the pass's lock session (:holder_pid), alias l over
+-- pg_locks (bigint keys are split into classid = high 32 bits, objid = low 32).
+l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.pid = :holder_pid
+AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+AND l.classid::bigint
+    = ((hashtextextended('messenger.conference-room-reaper.recorder', 0) >> 32) & 4294967295)
+AND l.objid::bigint
+    = (hashtextextended('messenger.conference-room-reaper.recorder', 0) & 4294967295)
+
+-- name: stop_marks_fence
+-- The fence of a stop pass's marks (reaper/lease.py, docs/design.md#the-recorder-stop-signal),
+-- the first statement of their transaction: true while the pass's lock session
+-- still holds the stop lock. It first takes the gate of the marks, shared, until
+-- the transaction ends; a pass that takes the lock over waits for every gate
+-- held (wait_stop_marks) before it begins. So marks that passed the fence commit
+-- before a successor begins, and marks after it find the lock gone. The gate
+-- is tried, not waited for: it is only taken exclusively by a successor, and
+-- then this pass has lost the lock anyway. The check is correlated with the
+-- gate's row, so it is evaluated after the gate is taken.
+WITH gate AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock_shared(
+               hashtextextended('messenger.conference-room-reaper.recorder.marks', 0)) AS open
+)
+SELECT g.open AND EXISTS (
+    SELECT FROM pg_locks l
+    WHERE g.open AND
+        -- include: stop_lock_held
+) AS held
+FROM gate g;
+
+-- name: wait_stop_marks
+-- A pass that has just taken the stop lock waits until every transaction of an
+-- earlier holder that passed stop_marks_fence has ended (within lock_timeout),
+-- in a savepoint that the caller rolls back, which frees the gate again.
+SELECT pg_advisory_xact_lock(
+           hashtextextended('messenger.conference-room-reaper.recorder.marks', 0));
 
 -- name: run_lock_holder
 -- Backend pid holding the single-runner lock, if any (bigint keys are split
@@ -708,6 +756,13 @@ WITH claimed AS (
       AND o.message_key NOT IN (SELECT p.message_key
                                 FROM messenger.integration_outbox p
                                 WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL)
+      -- the fence: nothing is claimed once the pass's lock session lost the relay
+      -- lock (NULL: a pass that takes no lock, a test's)
+      AND (CAST(:holder_pid AS integer) IS NULL OR EXISTS (
+               SELECT FROM pg_locks l
+               WHERE
+                   -- include: relay_lock_held
+           ))
     ORDER BY o.id
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
@@ -801,8 +856,50 @@ SELECT messenger.delete_published_outbox(make_interval(secs => :retention_s), :b
 -- name: try_relay_lock
 -- One relay pass at a time across all workers, so relays never fill every
 -- worker slot (SKIP LOCKED would keep concurrent passes correct anyway).
--- Held until the end of the calling transaction.
-SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper.relay', 0));
+-- Held until the end of the calling transaction. The lock session's backend
+-- pid when taken (the fence of the pass's claims and marks), else NULL.
+SELECT CASE WHEN pg_try_advisory_xact_lock(
+                     hashtextextended('messenger.conference-room-reaper.relay', 0))
+            THEN pg_backend_pid() END AS holder_pid;
+
+-- fragment: relay_lock_held
+-- The relay lock is held by the pass's lock session (:holder_pid), alias l over
+-- pg_locks (bigint keys are split into classid = high 32 bits, objid = low 32).
+l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.pid = :holder_pid
+AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+AND l.classid::bigint
+    = ((hashtextextended('messenger.conference-room-reaper.relay', 0) >> 32) & 4294967295)
+AND l.objid::bigint
+    = (hashtextextended('messenger.conference-room-reaper.relay', 0) & 4294967295)
+
+-- name: relay_marks_fence
+-- The fence of a relay batch's marks and commit (reaper/lease.py,
+-- docs/design.md#the-outbox-relay), the first statement of the marking: true
+-- while the pass's lock session still holds the relay lock. It first takes the
+-- gate of the marks, shared, until the batch's transaction ends; a pass that
+-- takes the lock over waits for every gate held (wait_relay_marks) before it
+-- begins. So a batch that passed the fence commits before a successor begins,
+-- and one after it finds the lock gone and commits nothing. The gate is tried,
+-- not waited for: only a successor takes it exclusively, and then this pass
+-- has lost the lock anyway. The check is correlated with the gate's row, so it
+-- is evaluated after the gate is taken. Retention's transactions begin with it
+-- too.
+WITH gate AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock_shared(
+               hashtextextended('messenger.conference-room-reaper.relay.marks', 0)) AS open
+)
+SELECT g.open AND EXISTS (
+    SELECT FROM pg_locks l
+    WHERE g.open AND
+        -- include: relay_lock_held
+) AS held
+FROM gate g;
+
+-- name: wait_relay_marks
+-- A pass that has just taken the relay lock waits until every batch of an
+-- earlier holder that passed relay_marks_fence has ended (within lock_timeout),
+-- in a savepoint that the caller rolls back, which frees the gate again.
+SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper.relay.marks', 0));
 
 -- name: eligible_census
 -- What the next cycle would select, per phase, with the phases' own

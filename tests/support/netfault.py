@@ -88,6 +88,7 @@ class Link:
 
     client: socket.socket
     upstream: socket.socket
+    service_port: int = 0  # the service leg's local port, as the service sees the client
     cut: bool = False
     closed: threading.Event = field(default_factory=threading.Event)
 
@@ -113,6 +114,9 @@ class Proxy:
         self._listener.settimeout(POLL)
         self.port: int = self._listener.getsockname()[1]
         self._links: list[Link] = []
+        # the local port of every service leg ever opened: how the service (its
+        # pg_stat_activity, inet_client_port()) sees this proxy's clients
+        self.service_ports: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -146,9 +150,10 @@ class Proxy:
             except OSError:
                 client.close()
                 continue
-            link = Link(client, upstream)
+            link = Link(client, upstream, service_port=upstream.getsockname()[1])
             with self._lock:
                 self._links.append(link)
+                self.service_ports.add(link.service_port)
             self._spawn(self._pump, "up", link, client, upstream)
             self._spawn(self._pump, "down", link, upstream, client)
 
@@ -177,12 +182,15 @@ class Proxy:
 
     # -- the fault -----------------------------------------------------------------
 
-    def cut(self) -> int:
-        """Drop every packet of the connections open now, on both legs; new
-        connections still pass. Returns how many connections were cut."""
+    def cut(self, service_ports: set[int] | None = None) -> int:
+        """Drop every packet of the connections open now (or of those whose service
+        leg has one of ``service_ports``), on both legs; new connections still
+        pass. Returns how many connections were cut."""
         cut = 0
         for link in self.open_links():
             if link.cut:
+                continue
+            if service_ports is not None and link.service_port not in service_ports:
                 continue
             try:
                 pairs = link.port_pairs()
