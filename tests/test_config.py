@@ -252,3 +252,25 @@ def test_real_entry_points_refuse_bad_config(command):
         assert ENV_PREFIX + variable in lines[0], (env, stderr)
         assert "Traceback" not in stderr + stdout
         assert SECRET not in stderr + stdout
+
+
+def test_a_rediss_broker_is_verified_with_its_ca_and_host_name():
+    """What Celery's broker_use_ssl gets (celeryconfig): never kombu's unchecked default."""
+    import ssl
+
+    from reaper.broker import ssl_options
+
+    plain = Settings(broker_url="redis://redis:6379/0")
+    assert ssl_options(plain) is None
+    default_cas = Settings(broker_url="rediss://redis:6380/0")
+    assert ssl_options(default_cas) == {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": None,  # the system's CAs
+        "ssl_check_hostname": True,
+    }
+    own_ca = Settings(broker_url="rediss://redis:6380/0", broker_ssl_cafile="/etc/hostname")
+    assert ssl_options(own_ca) == {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": "/etc/hostname",
+        "ssl_check_hostname": True,
+    }

