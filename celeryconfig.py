@@ -8,6 +8,7 @@ from kombu.entity import Queue
 
 from reaper import budgets
 from reaper.broker import install as install_broker_transport
+from reaper.broker import ssl_options as broker_ssl_options
 from reaper.broker import transport_options
 from reaper.config import get_settings
 
@@ -34,6 +35,10 @@ broker_url = _settings.broker_url
 # under a busy worker would otherwise end the worker (Celery/kombu 5.7).
 install_broker_transport()
 broker_connection_retry_on_startup = True
+# rediss://: the Redis server's certificate is verified, host name included,
+# against REAPER_BROKER_SSL_CAFILE (reaper/broker.py); the worker, its beat, every
+# sender, `celery call` and Flower read it here.
+broker_use_ssl = broker_ssl_options(_settings)
 broker_transport_options = {
     # Above queue wait + the longest time limit; a redelivered reap is harmless.
     "visibility_timeout": 3600,

@@ -1,6 +1,6 @@
 """The Redis broker transport: the bounds of every connection to Redis
-(:func:`transport_options`), and one repair that keeps a worker alive when
-Redis restarts under it.
+(:func:`transport_options`), its TLS (:func:`ssl_options`, :class:`TlsConnection`),
+and one repair that keeps a worker alive when Redis restarts under it.
 
 Bounds: kombu hands redis-py ``socket_timeout=None`` and no keepalive unless
 told otherwise, so a Redis that went silent (a failover, a dropped NAT entry,
@@ -27,9 +27,14 @@ are idempotent.
 from __future__ import annotations
 
 import socket
+import ssl
+import sys
 from importlib.metadata import version as installed_version
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
+import redis as redis_client
 from kombu.transport import redis
 
 from reaper.budgets import KEEPALIVE_PROBES, Peer
@@ -84,9 +89,95 @@ def transport_options(settings: Settings) -> dict[str, Any]:
     }
 
 
+def ssl_options(settings: Settings) -> dict[str, Any] | None:
+    """The TLS of every broker connection, as Celery's ``broker_use_ssl`` takes it;
+    None for a plain ``redis://`` URL.
+
+    A ``rediss://`` URL alone makes kombu connect *without* checking the server
+    (it warns and uses ``CERT_NONE``): anyone in between could read the tasks
+    and the broker's password. Here the server's certificate must chain to
+    REAPER_BROKER_SSL_CAFILE (unset: the system's CAs) and name the host of the
+    URL. redis-py builds its context with ``ssl.create_default_context``, so an
+    expired certificate is refused too. Flower reads the same setting for its
+    own Redis client (its broker page).
+    """
+    if urlsplit(settings.broker_url).scheme != "rediss":
+        return None
+    return {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": settings.broker_ssl_cafile,
+        "ssl_check_hostname": True,
+    }
+
+
+def tls_refusal(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The certificate check that failed somewhere in ``exc``'s chain, if any
+    (redis-py and kombu each wrap the ``ssl`` error in their own)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+class TlsConnection(redis_client.SSLConnection):
+    """redis-py's TLS connection that says, in one log line, why a server's
+    certificate was refused (``broker.tls_refused``): the worker's consumer, its
+    beat and every sender connect through it; kombu and Celery then retry as
+    for any unreachable broker, never in plain text.
+
+    Said once per process while the same refusal lasts (a sender retries its
+    publish, the consumer reconnects every few seconds): again when the reason
+    changes or after a connection got through. (redis-py 6 and later connect
+    through ``connect_check_health``.)"""
+
+    # (host, port, reason) of the refusal said last in this process; None after
+    # a connection got through. Shared by every connection of the process.
+    _said: tuple[str, int, str] | None = None
+
+    def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().connect_check_health(*args, **kwargs)
+        except redis_client.ConnectionError as exc:
+            refused = tls_refusal(exc)
+            said = (str(self.host), int(self.port), str(refused and refused.verify_message))
+            if refused is not None and TlsConnection._said != said:
+                TlsConnection._said = said
+                log(
+                    logger,
+                    "broker.tls_refused",
+                    level=40,
+                    host=said[0],
+                    port=said[1],
+                    reason=said[2],
+                )
+            raise
+        TlsConnection._said = None
+
+
+def quiet_tls_refusal(
+    kind: type[BaseException], exc: BaseException, tb: TracebackType | None
+) -> None:
+    """``sys.excepthook`` of a process that loads the app (``celery call``, Flower):
+    a refused broker certificate ends it with the one ``broker.tls_refused`` line
+    already said, exit status 1, no traceback; anything else as Python does."""
+    if tls_refusal(exc) is not None:
+        raise SystemExit(1)
+    sys.__excepthook__(kind, exc, tb)
+
+
 class Channel(redis.Channel):
+    # rediss:// connections report a refused certificate (TlsConnection)
+    connection_class_ssl = TlsConnection
+
     def close(self) -> None:
-        if not self.closed and self.connection.client is None and self._qos is not None:
+        if (
+            _repair_restore
+            and not self.closed
+            and self.connection.client is None
+            and self._qos is not None
+        ):
             log(
                 logger,
                 "broker.unacked_left_for_redelivery",
@@ -103,16 +194,28 @@ class Transport(redis.Transport):
     Channel = Channel
 
 
+# Whether Channel.close skips the restore of a collected transport (the repair
+# above); set by install() on the kombu versions that have the defect.
+_repair_restore = False
+
+
 def install(version: str = installed_version("kombu")) -> bool:
-    """Make ``redis://`` and ``rediss://`` broker URLs use :class:`Transport`, on the
-    kombu versions that need it; True when it did.
+    """Make ``redis://`` and ``rediss://`` broker URLs use :class:`Transport`; True
+    when the Redis-restart repair applies too (the kombu versions that need it).
 
     Through the scheme aliases (kombu's way to name a transport) rather than
     ``broker_transport``: kombu keys its ``rediss`` handling (TLS defaults) on
     the scheme name, which must stay. Called when the Celery configuration is
-    read, before kombu resolves (and caches) any transport.
+    read, before kombu resolves (and caches) any transport. The transport's TLS
+    report (:class:`TlsConnection`) applies on every version.
     """
-    if not defect_expected(version):
+    global _repair_restore
+    from kombu import transport
+
+    for scheme in ("redis", "rediss"):
+        transport.TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
+    _repair_restore = defect_expected(version)
+    if not _repair_restore:
         log(
             logger,
             "broker.repair_not_applied",
@@ -120,9 +223,4 @@ def install(version: str = installed_version("kombu")) -> bool:
             kombu=version,
             reason="outside the kombu versions the Redis-restart repair was tested on",
         )
-        return False
-    from kombu import transport
-
-    for scheme in ("redis", "rediss"):
-        transport.TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
-    return True
+    return _repair_restore

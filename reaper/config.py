@@ -13,7 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from functools import lru_cache
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from kafka import codec as kafka_codec
 from pydantic import (
@@ -71,6 +71,18 @@ def _readable_file(value: str) -> str:
             pass
     except OSError as exc:
         raise ValueError(f"must be a readable file ({exc.strerror})") from None
+    return value
+
+
+def _no_tls_in_query(value: str) -> str:
+    """kombu takes ``ssl_*`` query parameters of the URL over the app's TLS options:
+    ``?ssl_cert_reqs=none`` would turn verification off without a word."""
+    query = urlsplit(value).query
+    if any(key.lower().startswith("ssl_") for key, _ in parse_qsl(query)):
+        raise ValueError(
+            "must not carry ssl_* parameters: the broker's TLS is verified, with "
+            "REAPER_BROKER_SSL_CAFILE naming the CA"
+        )
     return value
 
 
@@ -157,7 +169,12 @@ class Settings(BaseSettings):
     database_url: Annotated[str, AfterValidator(_database_url)] = (
         "postgresql+psycopg2://postgres@127.0.0.1:5432/reaper"
     )
-    broker_url: Annotated[str, AfterValidator(_url("redis", "rediss"))] = "redis://127.0.0.1:6379/0"
+    broker_url: Annotated[
+        str, AfterValidator(_url("redis", "rediss")), AfterValidator(_no_tls_in_query)
+    ] = "redis://127.0.0.1:6379/0"
+    # With a rediss:// broker URL: the CA the Redis server's certificate must
+    # chain to, host name included; unset: the system's CAs. Never weaker.
+    broker_ssl_cafile: Annotated[str, AfterValidator(_readable_file)] | None = None
     # Prefixes every Redis key of the broker: lets several deployments (or test
     # sessions) share one Redis without seeing each other's queues.
     broker_key_prefix: str = Field("", pattern=r"^[A-Za-z0-9._:{}-]{0,128}$")
@@ -255,6 +272,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 "REAPER_EMPTY_ROOM_GRACE: must be below REAPER_STALE_LIVE_TIMEOUT "
                 f"({self.empty_room_grace} >= {self.stale_live_timeout})"
+            )
+        if self.broker_ssl_cafile and urlsplit(self.broker_url).scheme != "rediss":
+            raise ValueError(
+                "REAPER_BROKER_SSL_CAFILE: needs a rediss:// REAPER_BROKER_URL "
+                "(a CA for a broker reached in plain text protects nothing)"
             )
         if self.kafka_security_protocol.startswith("SASL_") and not (
             self.kafka_sasl_mechanism and self.kafka_sasl_username and self.kafka_sasl_password

@@ -285,6 +285,7 @@ def relay_kafka_unavailable(fact: RelayKafkaUnavailable) -> None:
         "relay.kafka_unavailable",
         level=logging.ERROR,
         bootstrap_servers=fact.bootstrap_servers,
+        cause=fact.cause,
         error=fact.error,
         rows=fact.rows,
     )

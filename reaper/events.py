@@ -403,6 +403,9 @@ class RelayKafkaUnavailable:
     bootstrap_servers: str
     error: str
     rows: int
+    # unreachable, tls (a certificate refused) or authentication (a SASL login
+    # refused): reaper.kafka.diagnose
+    cause: str = "unreachable"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,13 +10,17 @@ and ``worker_shutdown`` in :mod:`reaper.lifecycle`).
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from kafka import KafkaProducer
 
 from reaper import budgets
 from reaper.config import Settings
+from reaper.errors import describe
 from reaper.logs import get_logger, log
 
 logger = get_logger("kafka")
@@ -72,6 +76,77 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         if settings.kafka_ssl_password:
             config["ssl_password"] = settings.kafka_ssl_password.get_secret_value()
     return config
+
+
+UnavailableCause = Literal["unreachable", "tls", "authentication"]
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """Why no producer could reach Kafka, in one line for the operator."""
+
+    cause: UnavailableCause
+    detail: str
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext:
+    """The TLS the producer's connections use (kafka-python's SSL settings): the
+    server's certificate always verified, against REAPER_KAFKA_SSL_CAFILE (unset:
+    the system's CAs), its host name unless REAPER_KAFKA_SSL_CHECK_HOSTNAME=false."""
+    context = ssl.create_default_context(cafile=settings.kafka_ssl_cafile)
+    context.check_hostname = settings.kafka_ssl_check_hostname
+    if settings.kafka_ssl_certfile:
+        context.load_cert_chain(
+            settings.kafka_ssl_certfile,
+            settings.kafka_ssl_keyfile,
+            settings.kafka_ssl_password.get_secret_value() if settings.kafka_ssl_password else None,
+        )
+    return context
+
+
+def diagnose(settings: Settings, exc: BaseException) -> Unavailable:
+    """Why the producer could not bootstrap, when its connections are secured.
+
+    kafka-python retries a refused certificate or login until its bootstrap
+    timeout and then says only ``Unable to bootstrap``: the true reason is in
+    its debug logs, where no operator looks. So each bootstrap server is asked
+    again here, with the producer's own TLS settings: a certificate refused is
+    ``tls``, with OpenSSL's reason; a server that takes the TCP connection (and
+    its TLS) while no client could bootstrap, with SASL configured, is
+    ``authentication``: the login was refused (a wrong password, an unknown
+    user, a mechanism the broker does not offer). Anything else, and every
+    plain-text connection, is ``unreachable``. Bounded: one connection per
+    server, each within half of REAPER_KAFKA_TIMEOUT.
+    """
+    protocol = settings.kafka_security_protocol
+    if protocol == "PLAINTEXT":
+        return Unavailable("unreachable", describe(exc))
+    wait_s = settings.kafka_timeout.total_seconds() / 2
+    reached = False
+    for server in settings.kafka_bootstrap_servers.split(","):
+        host, _, port = server.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+                if protocol in ("SSL", "SASL_SSL"):
+                    with tls_context(settings).wrap_socket(sock, server_hostname=host):
+                        pass
+        except ssl.SSLCertVerificationError as refused:
+            return Unavailable(
+                "tls", f"the TLS certificate of {server} was refused: {refused.verify_message}"
+            )
+        except ssl.SSLError as failed:
+            return Unavailable("tls", f"no TLS session with {server}: {failed.reason}")
+        except OSError:
+            continue  # this one is unreachable; another may answer
+        reached = True
+    if reached and protocol.startswith("SASL_"):
+        return Unavailable(
+            "authentication",
+            f"the brokers take the connection but not the SASL login "
+            f"({settings.kafka_sasl_mechanism} as {settings.kafka_sasl_username!r}): "
+            f"a wrong password, an unknown user or a mechanism they do not offer",
+        )
+    return Unavailable("unreachable", describe(exc))
 
 
 class ProducerSlot:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Any, get_args
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import (
@@ -63,9 +63,11 @@ from reaper.events import (
     PhaseFailed,
     PhaseMassClosure,
     RelayBatchCommitted,
+    RelayKafkaUnavailable,
     RelayPassCompleted,
     StopSignalsSent,
 )
+from reaper.kafka import UnavailableCause
 from reaper.logs import get_logger, log
 from reaper.phases import ORDER, PHASES
 
@@ -77,6 +79,7 @@ RUN_RESULTS = ("completed", "skipped", "failed")
 # closed nothing: it has its own counter (mass_closure_blocked_total).
 ITEM_OUTCOMES = tuple(phase.outcome for phase in PHASES.values())
 PHASE_NAMES = ORDER
+KAFKA_UNAVAILABLE_CAUSES = get_args(UnavailableCause)
 
 # The names a dashboard or alert may use (the test of ops/ checks against it).
 EXPORTED = (
@@ -91,6 +94,7 @@ EXPORTED = (
     "messenger_conf_reaper_mass_closure_blocked_total",
     "messenger_conf_reaper_recorder_stop_failed_total",
     "messenger_outbox_relay_published_total",
+    "messenger_outbox_relay_kafka_unavailable_total",
     "messenger_outbox_pending",
     "messenger_outbox_oldest_pending_age_seconds",
     "messenger_outbox_parked",
@@ -175,6 +179,13 @@ class _Metrics:
             "integration_outbox rows published to Kafka.",
             registry=r,
         )
+        self.relay_kafka_unavailable = Counter(
+            "messenger_outbox_relay_kafka_unavailable_total",
+            "Relay batches that found no Kafka broker to take them, by cause: "
+            "unreachable, tls (a certificate refused), authentication (a SASL login refused).",
+            ["cause"],
+            registry=r,
+        )
         self.outbox_pending = Gauge(
             "messenger_outbox_pending",
             "integration_outbox rows not yet published.",
@@ -238,6 +249,8 @@ class _Metrics:
         for phase in PHASE_NAMES:
             self.lateness.labels(phase=phase)
             self.paused.labels(phase=phase)
+        for cause in KAFKA_UNAVAILABLE_CAUSES:
+            self.relay_kafka_unavailable.labels(cause=cause)
 
 
 _lock = threading.Lock()
@@ -357,6 +370,7 @@ def subscribe(bus: Bus) -> None:
     bus.subscribe(GaugesMeasured, _gauges)
     bus.subscribe(RelayBatchCommitted, _relay_batch)
     bus.subscribe(RelayPassCompleted, _relay_pass)
+    bus.subscribe(RelayKafkaUnavailable, _relay_kafka_unavailable)
 
 
 def _cycle_started(fact: CycleStarted) -> None:
@@ -432,6 +446,10 @@ def _gauges(fact: GaugesMeasured) -> None:
 def _relay_batch(fact: RelayBatchCommitted) -> None:
     if fact.published > 0:
         _m().relay_published.inc(fact.published)
+
+
+def _relay_kafka_unavailable(fact: RelayKafkaUnavailable) -> None:
+    _m().relay_kafka_unavailable.labels(cause=fact.cause).inc()
 
 
 def _relay_pass(fact: RelayPassCompleted) -> None:

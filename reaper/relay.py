@@ -75,7 +75,7 @@ from reaper.events import (
     RelayTopicMissing,
     process_bus,
 )
-from reaper.kafka import ProducerSlot, process_slot
+from reaper.kafka import ProducerSlot, Unavailable, diagnose, process_slot
 from reaper.lease import Heartbeat, PassLock, pass_lock
 from reaper.logs import get_logger, log
 from reaper.queries import Queries
@@ -420,7 +420,13 @@ class RelayBatches:
             if flight.producer is not None and report.unavailable is None:
                 self._rounds(flight)
             if report.unavailable is not None:
-                error = describe(report.unavailable)
+                problem = (
+                    # no producer: the reason kafka-python kept to itself
+                    diagnose(self.settings, report.unavailable)
+                    if flight.producer is None
+                    else Unavailable("unreachable", describe(report.unavailable))
+                )
+                error = problem.detail
                 attempted = (
                     set(report.published)
                     | set(report.failures)
@@ -430,7 +436,7 @@ class RelayBatches:
                 for row in flight.rows:
                     if row.id not in attempted:
                         report.unreached[row.id] = error
-                self._unavailable(report.unavailable, flight.rows, flight.producer)
+                self._unavailable(problem, flight.rows, flight.producer)
                 self.producers.discard(f"Kafka unavailable: {error}")
             elif report.producer_broken:
                 self.producers.discard("the producer hit a fatal error")
@@ -552,7 +558,7 @@ class RelayBatches:
             report.out_of_attempts = len(parked)
 
     def _unavailable(
-        self, exc: BaseException, rows: list[Row], producer: KafkaProducer | None
+        self, problem: Unavailable, rows: list[Row], producer: KafkaProducer | None
     ) -> None:
         if producer is not None and producer.bootstrap_connected():
             # The brokers answer but know no partitions of the topic: it does
@@ -565,8 +571,9 @@ class RelayBatches:
         self.bus.emit(
             RelayKafkaUnavailable(
                 bootstrap_servers=self.settings.kafka_bootstrap_servers,
-                error=describe(exc),
+                error=problem.detail,
                 rows=len(rows),
+                cause=problem.cause,
             )
         )
 

@@ -49,7 +49,17 @@ INVALID: dict[str, list[str]] = {
         "postgresql+asyncpg://db.example/reaper",
         "postgresql+pg8000://db.example/reaper",
     ],
-    "BROKER_URL": ["", "amqp://127.0.0.1//", "redis://", f"redis://:{SECRET}@h:port/0"],
+    "BROKER_URL": [
+        "",
+        "amqp://127.0.0.1//",
+        "redis://",
+        f"redis://:{SECRET}@h:port/0",
+        # kombu would take these over the verified TLS: never weaker than verified
+        f"rediss://:{SECRET}@h:6380/0?ssl_cert_reqs=none",
+        "rediss://h:6380/0?ssl_check_hostname=false",
+        "rediss://h:6380/0?SSL_CA_CERTS=/tmp/any.pem",
+    ],
+    "BROKER_SSL_CAFILE": ["/nonexistent/ca.pem", "/"],
     "BROKER_KEY_PREFIX": ["with space:", "new\nline", "x" * 129],
     "BROKER_CONNECT_TIMEOUT": [*BAD_DURATIONS, "0.5", "601"],
     "BROKER_TCP_TIMEOUT": [*BAD_DURATIONS, "1", "1.5", "PT11M"],
@@ -104,6 +114,8 @@ COMBINATIONS: list[tuple[dict[str, str], str]] = [
     ({"RELAY_BACKOFF_INITIAL": "120"}, "RELAY_BACKOFF_MAX"),
     ({"OUTBOX_RETENTION": "3599"}, "OUTBOX_RETENTION"),
     ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "KAFKA_SASL_MECHANISM"),
+    # a CA for a broker reached in plain text: the operator believes it is encrypted
+    ({"BROKER_SSL_CAFILE": "/etc/hostname"}, "BROKER_SSL_CAFILE"),
     (
         {
             "KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
@@ -134,6 +146,7 @@ VALID: list[dict[str, str]] = [
     {"METRICS_ADDRESS": "worker-1.internal"},
     {"DATABASE_URL": "postgresql://u:p%40ss@db:5432/reaper?sslmode=verify-full"},
     {"BROKER_URL": "rediss://:pw@redis:6380/1", "BROKER_KEY_PREFIX": "{reaper}:"},
+    {"BROKER_URL": "rediss://redis:6380/1", "BROKER_SSL_CAFILE": "/etc/hostname"},
     {"KAFKA_BOOTSTRAP_SERVERS": " a:9092 , b:9093 ", "CONFERENCE_ENDED_TOPIC": "x.y-z_1"},
     {"KAFKA_COMPRESSION": "none"},
     {"KAFKA_COMPRESSION": "gzip"},
@@ -280,6 +293,28 @@ def test_real_entry_points_refuse_bad_config(command):
         assert ENV_PREFIX + variable in lines[0], (env, stderr)
         assert "Traceback" not in stderr + stdout
         assert SECRET not in stderr + stdout
+
+
+def test_a_rediss_broker_is_verified_with_its_ca_and_host_name():
+    """What Celery's broker_use_ssl gets (celeryconfig): never kombu's unchecked default."""
+    import ssl
+
+    from reaper.broker import ssl_options
+
+    plain = Settings(broker_url="redis://redis:6379/0")
+    assert ssl_options(plain) is None
+    default_cas = Settings(broker_url="rediss://redis:6380/0")
+    assert ssl_options(default_cas) == {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": None,  # the system's CAs
+        "ssl_check_hostname": True,
+    }
+    own_ca = Settings(broker_url="rediss://redis:6380/0", broker_ssl_cafile="/etc/hostname")
+    assert ssl_options(own_ca) == {
+        "ssl_cert_reqs": ssl.CERT_REQUIRED,
+        "ssl_ca_certs": "/etc/hostname",
+        "ssl_check_hostname": True,
+    }
 
 
 @pytest.mark.process

@@ -29,7 +29,7 @@ from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.events import Bus, RelayBatchCommitted, process_bus
-from reaper.kafka import ProducerSlot, producer_config
+from reaper.kafka import ProducerSlot, Unavailable, producer_config
 from reaper.lease import PassLock
 from reaper.queries import Queries
 from reaper.relay import Relay, RelayBatches
@@ -807,12 +807,13 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
     rows = [type("OutboxRow", (), {"topic": t})() for t in topics]
     # stand-ins with only what _unavailable asks of a producer
     connected, unreachable = cast(KafkaProducer, Connected()), cast(KafkaProducer, Unreachable())
-    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, connected)
+    timed_out = Unavailable("unreachable", "KafkaTimeoutError: Failed to update metadata")
+    batches._unavailable(timed_out, rows, connected)
     [line] = log_events(caplog, "relay.topic_missing")
     assert line["topic"] == missing and missing in line["reason"]
     assert not log_events(caplog, "relay.kafka_unavailable")
 
-    batches._unavailable(KafkaTimeoutError("Failed to update metadata"), rows, unreachable)
+    batches._unavailable(timed_out, rows, unreachable)
     assert len(log_events(caplog, "relay.kafka_unavailable")) == 1
 
 

