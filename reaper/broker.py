@@ -26,6 +26,7 @@ are idempotent.
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import sys
@@ -147,7 +148,7 @@ class TlsConnection(redis_client.SSLConnection):
                 log(
                     logger,
                     "broker.tls_refused",
-                    level=40,
+                    level=logging.ERROR,
                     host=said[0],
                     port=said[1],
                     reason=said[2],
@@ -181,7 +182,7 @@ class Channel(redis.Channel):
             log(
                 logger,
                 "broker.unacked_left_for_redelivery",
-                level=30,
+                level=logging.WARNING,
                 count=len(self._qos._delivered or ()),
                 reason="the broker connection was lost; visibility_timeout redelivers them",
             )
@@ -219,7 +220,7 @@ def install(version: str = installed_version("kombu")) -> bool:
         log(
             logger,
             "broker.repair_not_applied",
-            level=30,
+            level=logging.WARNING,
             kombu=version,
             reason="outside the kombu versions the Redis-restart repair was tested on",
         )

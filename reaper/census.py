@@ -9,6 +9,7 @@ wiring measures after every cycle and on a scrape; ``reaper status`` and
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -88,10 +89,11 @@ def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
             result = census(queries, settings, now)
             ahead = activity_ahead_count(queries, now)
             pending, oldest, parked = queries.outbox_pending_stats()
+            discarded = queries.outbox_discarded_count()
             paused = tuple(row.phase for row in queries.active_pauses(ORDER))
             last_run = queries.last_run_completed()
     except SQLAlchemyError as exc:
-        log(logger, "metrics.refresh_failed", level=30, error=describe(exc))
+        log(logger, "metrics.refresh_failed", level=logging.WARNING, error=describe(exc))
         return None
     completed_at = last_run.finished_at if last_run is not None else None
     return GaugesMeasured(
@@ -99,6 +101,7 @@ def measure(engine: Engine, settings: Settings) -> GaugesMeasured | None:
         outbox_pending=pending,
         outbox_oldest_pending_age_seconds=oldest,
         outbox_parked=parked,
+        outbox_discarded=discarded,
         paused=paused,
         last_run_completed_at=completed_at,
         activity_ahead=ahead,

@@ -9,63 +9,52 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from reaper import logs
-from reaper.config import ConfigError, Settings, load_settings
-
-
-def _settings() -> Settings:
-    try:
-        return load_settings()
-    except ConfigError as exc:
-        print(f"reaper: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+from reaper.config import Settings, get_settings
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     """Expand by default (this release's expand migrations, and whatever earlier
     releases left); ``--contract``: this release's contract migrations, once
     its expand ones are in; ``--revision R``: exactly R, kinds unchecked."""
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper import budgets, release, schema
     from reaper.db import engine_of, ensure_database, migrate
     from reaper.overview import safe_url
 
     peer = budgets.peer(settings)  # bounded like every connection of the reaper
     version = release.version()
-    try:
-        ensure_database(settings.database_url, peer)
-        owner = schema.not_the_owner(engine_of(settings), settings)
-        if owner is not None:
-            # as the roles' logins may read the revision, say it here, not by
-            # alembic's failure (which a schema with nothing to apply never meets)
-            print(
-                f"reaper: database {safe_url(settings.database_url)} refused: permission denied:"
-                f" migrations run as the schema owner ({owner})",
-                file=sys.stderr,
-            )
-            return 1
-        if args.revision is not None:
-            migrate(settings.database_url, args.revision, peer=peer)
-            print(f"schema at {args.revision}")
-            return 0
-        before = schema.check(engine_of(settings), settings).revision
-        plan = release.migrate_plan(before, contract=args.contract, version=version)
-        if plan.refusal is not None:
-            print(f"reaper: {plan.refusal}", file=sys.stderr)
-            return release.EXIT_SCHEMA
-        if plan.target is not None:
-            migrate(settings.database_url, plan.target, peer=peer)
-    except SQLAlchemyError as exc:  # e.g. run as a login that is not the schema owner
-        return _database_failed(settings, exc)
+    # A database error (e.g. run as a login that is not the schema owner) is main()'s line.
+    ensure_database(settings.database_url, peer)
+    owner = schema.not_the_owner(engine_of(settings), settings)
+    if owner is not None:
+        # as the roles' logins may read the revision, say it here, not by
+        # alembic's failure (which a schema with nothing to apply never meets)
+        print(
+            f"reaper: database {safe_url(settings.database_url)} refused: permission denied:"
+            f" migrations run as the schema owner ({owner})",
+            file=sys.stderr,
+        )
+        return 1
+    if args.revision is not None:
+        migrate(settings.database_url, args.revision, peer=peer)
+        print(f"schema at {args.revision}")
+        return 0
+    before = schema.check(engine_of(settings), settings).revision
+    plan = release.migrate_plan(before, contract=args.contract, version=version)
+    if plan.refusal is not None:
+        print(f"reaper: {plan.refusal}", file=sys.stderr)
+        return release.EXIT_SCHEMA
+    if plan.target is not None:
+        migrate(settings.database_url, plan.target, peer=peer)
     at = plan.target or before
     if plan.target is None:
         print(f"schema at {at}: nothing to apply")
@@ -87,15 +76,10 @@ def _schema_refused(settings: Settings) -> int | None:
     """Every command that uses the database (not migrate) checks the schema
     first: a schema this release does not run on is one line and EXIT_SCHEMA;
     a newer one it is compatible with, a warning (schema.newer) and on."""
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper import release, schema
     from reaper.db import engine_of
 
-    try:
-        verdict = schema.check(engine_of(settings), settings)
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    verdict = schema.check(engine_of(settings), settings)
     if not verdict.runs:
         print(f"reaper: {verdict.message()}", file=sys.stderr)
         return release.EXIT_SCHEMA
@@ -123,19 +107,14 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         # finish the batch in flight, then stop: never leave one half-done
         signal.signal(signum, lambda *_: stop.set())
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper import tracing
     from reaper.db import engine_of
 
-    try:
-        # A database that cannot be reached is one line and exit 1, as for every
-        # other command, within REAPER_DATABASE_CONNECT_TIMEOUT: not a failed
-        # cycle's log lines after one connect timeout per part that tries.
-        with engine_of(settings).connect():
-            pass
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    # A database that cannot be reached is one line and exit 1, as for every
+    # other command, within REAPER_DATABASE_CONNECT_TIMEOUT: not a failed
+    # cycle's log lines after one connect timeout per part that tries.
+    with engine_of(settings).connect():
+        pass
     tracing.configure()  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set, else off
     reaper = Reaper(settings, stop_event=stop, allow_mass_closure=args.allow_mass_closure)
     finished: list[CycleCompleted] = []
@@ -159,7 +138,7 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
         logs.log(
             logs.get_logger("cli"),
             "recorder.disabled",
-            level=30,
+            level=logging.WARNING,
             reason="REAPER_RECORDER_URL is unset: no recording stop signals were sent",
         )
     _print(result, as_json=args.json)
@@ -174,8 +153,6 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_relay(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper.db import engine_of
     from reaper.kafka import close_producer
     from reaper.relay import Relay
@@ -191,11 +168,8 @@ def cmd_relay(settings: Settings, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         # settle the batches in flight, then stop: their rows are marked or rolled back
         signal.signal(signum, lambda *_: stop.set())
-    try:
-        with engine_of(settings).connect():  # no database: one line, exit 1
-            pass
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    with engine_of(settings).connect():  # no database: one line, exit 1 (main())
+        pass
     relay = Relay(settings, stop_event=stop)
     # Connected before the pass, as a worker's producer is at every pass after its
     # first (it is kept for the process's life): the pass's duration_ms then counts
@@ -259,32 +233,22 @@ def _database_failed(settings: Settings, exc: Exception) -> int:
 
 
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper.db import engine_of
     from reaper.overview import format_status, status
 
-    try:
-        data = status(engine_of(settings), settings)
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    data = status(engine_of(settings), settings)
     print(json.dumps(data, sort_keys=True) if args.json else format_status(data))
     return 0
 
 
 def cmd_plan(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper.db import engine_of
     from reaper.overview import format_plan, plan
 
     as_of = _as_of(args)
     if isinstance(as_of, str):
         return _refuse(as_of)
-    try:
-        data = plan(engine_of(settings), settings, as_of, args.limit)
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    data = plan(engine_of(settings), settings, as_of, args.limit)
     print(json.dumps(data, sort_keys=True) if args.json else format_plan(data))
     return 0
 
@@ -315,8 +279,6 @@ def _controls(settings: Settings) -> Any:
 
 
 def cmd_pause(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper.clock import rfc3339
     from reaper.config import parse_duration
 
@@ -326,10 +288,7 @@ def cmd_pause(settings: Settings, args: argparse.Namespace) -> int:
         return _refuse(f"--for: {exc}")
     if not args.reason.strip():
         return _refuse("--reason: a pause needs a reason")
-    try:
-        paused = _controls(settings).pause(args.phase and [args.phase], args.reason, for_)
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    paused = _controls(settings).pause(args.phase and [args.phase], args.reason, for_)
     for p in paused:
         until = f"until {rfc3339(p.paused_until)}" if p.paused_until else "until resumed"
         print(f"paused {p.phase} {until} (by {p.paused_by}): {p.reason}")
@@ -337,12 +296,7 @@ def cmd_pause(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_resume(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
-    try:
-        resumed = _controls(settings).resume(args.phase and [args.phase])
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    resumed = _controls(settings).resume(args.phase and [args.phase])
     for r in resumed:
         print(f"resumed {r.phase} (it was paused: {r.reason})")
     if not resumed:
@@ -369,8 +323,6 @@ def _windows(args: argparse.Namespace) -> dict[str, Any] | str:
 
 
 def cmd_policy_set(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper.control import PolicyRefused
     from reaper.overview import format_policy
 
@@ -381,15 +333,11 @@ def cmd_policy_set(settings: Settings, args: argparse.Namespace) -> int:
         fact = _controls(settings).set_policy(args.tenant, **windows)
     except PolicyRefused as exc:
         return _refuse(str(exc))
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
     print(f"set the policy of tenant {format_policy(fact, settings)} (by {fact.updated_by})")
     return 0
 
 
 def cmd_policy_unset(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper.control import PolicyRefused
     from reaper.overview import format_policy
 
@@ -397,8 +345,6 @@ def cmd_policy_unset(settings: Settings, args: argparse.Namespace) -> int:
         fact = _controls(settings).unset_policy(args.tenant)
     except PolicyRefused as exc:
         return _refuse(str(exc))
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
     if fact is None:
         print(f"tenant {args.tenant} has no policy: nothing changed")
         return 1
@@ -407,14 +353,9 @@ def cmd_policy_unset(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_policy_list(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper.overview import format_policies, policies_json
 
-    try:
-        policies = _controls(settings).policies()
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    policies = _controls(settings).policies()
     if args.json:
         print(json.dumps(policies_json(policies), sort_keys=True))
     else:
@@ -423,15 +364,10 @@ def cmd_policy_list(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_outbox_parked(settings: Settings, args: argparse.Namespace) -> int:
-    from sqlalchemy.exc import SQLAlchemyError
-
     from reaper.db import engine_of
     from reaper.overview import format_parked, parked
 
-    try:
-        rows = parked(engine_of(settings), settings, args.limit)
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    rows = parked(engine_of(settings), settings, args.limit)
     print(json.dumps(rows, sort_keys=True) if args.json else format_parked(rows))
     return 0
 
@@ -439,22 +375,61 @@ def cmd_outbox_parked(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_outbox_requeue(settings: Settings, args: argparse.Namespace) -> int:
     import uuid
 
-    from sqlalchemy.exc import SQLAlchemyError
-
     if args.event_id is not None:
         try:
             uuid.UUID(args.event_id)
         except ValueError:
             return _refuse(f"--event-id: {args.event_id!r} is not a UUID")
-    try:
-        count = _controls(settings).requeue(args.event_id)
-    except SQLAlchemyError as exc:
-        return _database_failed(settings, exc)
+    count = _controls(settings).requeue(args.event_id)
     print(f"requeued {count} parked row{'' if count == 1 else 's'}")
     return 0 if count or args.all else 1
 
 
-def _print(data: dict[str, Any], *, as_json: bool) -> None:
+def cmd_outbox_discard(settings: Settings, args: argparse.Namespace) -> int:
+    import uuid
+
+    from reaper.control import DiscardRefused
+
+    try:
+        uuid.UUID(args.event_id)
+    except ValueError:
+        return _refuse(f"--event-id: {args.event_id!r} is not a UUID")
+    if not args.reason.strip():
+        return _refuse("--reason: a discard needs a reason")
+    try:
+        fact = _controls(settings).discard(args.event_id, args.reason)
+    except DiscardRefused as exc:
+        print(f"reaper: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"discarded {fact.event_id} (deal {fact.message_key}, topic {fact.topic}) "
+        f"by {fact.discarded_by} as {fact.discarded_login}: {fact.reason}; "
+        "kept in messenger.outbox_discards"
+    )
+    return 0
+
+
+def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
+    """A named statement as the query class sends it: its includes expanded,
+    compiled for the configured database's driver, so its parameters are in the
+    driver's style; and their names. Reads no database."""
+    from reaper.db import engine_of
+    from reaper.queries import load
+
+    statements = load()
+    clause = statements.get(args.name)
+    if clause is None:
+        print(f"reaper sql: no statement {args.name!r}; the names:", file=sys.stderr)
+        for name in sorted(statements):
+            print(f"  {name}", file=sys.stderr)
+        return 2
+    compiled = clause.compile(dialect=engine_of(settings).dialect)
+    print(f"-- {args.name}: parameters {', '.join(compiled.params) or '(none)'}")
+    print(compiled.string)
+    return 0
+
+
+def _print(data: Mapping[str, Any], *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(data, sort_keys=True))
         return
@@ -548,8 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
     policy_set.add_argument("--tenant", required=True, metavar="UUID", help="the tenant id")
     for phase in PHASES.values():
         policy_set.add_argument(
-            OPTIONS[phase.window_name],
-            dest=phase.window_name,
+            OPTIONS[phase.setting],
+            dest=phase.setting,
             metavar="DURATION",
             help=f"the tenant's {phase.name} window (90, PT10M; at most 7 days)",
         )
@@ -563,7 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
     policy_list.add_argument("--json", action="store_true", help="print JSON")
     policy_list.set_defaults(handler=cmd_policy_list)
 
-    outbox = sub.add_parser("outbox", help="integration events Kafka refused: list, requeue")
+    outbox = sub.add_parser(
+        "outbox", help="integration events Kafka refused: list, requeue, discard"
+    )
     outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
     parked_cmd = outbox_sub.add_parser("parked", help="list the parked rows")
     parked_cmd.add_argument("--json", action="store_true", help="print JSON")
@@ -574,24 +551,45 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--event-id", help="one row, by its eventId")
     which.add_argument("--all", action="store_true", help="every parked row")
     requeue.set_defaults(handler=cmd_outbox_requeue)
+    discard = outbox_sub.add_parser(
+        "discard",
+        help="a parked row Kafka will never accept out of delivery for good (kept in "
+        "messenger.outbox_discards); its deal's later events then go on",
+    )
+    discard.add_argument("--event-id", required=True, help="the parked row, by its eventId")
+    discard.add_argument("--reason", required=True, help="why (kept with the row, logged)")
+    discard.set_defaults(handler=cmd_outbox_discard)
+
+    sql = sub.add_parser(
+        "sql", help="a named statement, includes expanded, as the reaper sends it; its parameters"
+    )
+    sql.add_argument("name", help="the statement's name (a phase's: end_active_batch[empty_room])")
+    sql.set_defaults(handler=cmd_sql)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = _settings()
+    settings = get_settings()
     logs.configure()
     # Only a worker counts into a multiprocess directory: this process keeps its
     # metrics in memory even if it inherited the variable (read at import).
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    from sqlalchemy.exc import SQLAlchemyError
+
     from reaper import wiring
 
     wiring.install(settings)
-    if args.handler is not cmd_migrate:
-        refused = _schema_refused(settings)
-        if refused is not None:
-            return refused
-    code: int = args.handler(settings, args)
+    try:
+        # migrate makes the schema; sql reads only the statements' file
+        if args.handler not in (cmd_migrate, cmd_sql):
+            refused = _schema_refused(settings)
+            if refused is not None:
+                return refused
+        code: int = args.handler(settings, args)
+    except SQLAlchemyError as exc:
+        # Every command says a database it could not use in this one line, exit 1.
+        return _database_failed(settings, exc)
     return code
 
 

@@ -5,7 +5,7 @@ Everything lives in PostgreSQL, so every replica sees a change at once: a
 phase reads its pause under the run's lock at its start, and every phase
 statement reads the tenant policies itself. Each change is told as a fact
 (``control.paused``, ``control.resumed``, ``control.policy_set``,
-``control.policy_unset``, ``outbox.requeued`` in the log).
+``control.policy_unset``, ``outbox.requeued``, ``outbox.discarded`` in the log).
 See docs/design.md#operator-controls and docs/design.md#windows-per-tenant.
 """
 
@@ -18,21 +18,24 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 
 from reaper import budgets
 from reaper.clock import human
 from reaper.config import Settings
 from reaper.db import transaction
+from reaper.errors import sqlstate
 from reaper.events import (
     Bus,
     ControlPaused,
     ControlPolicySet,
     ControlPolicyUnset,
     ControlResumed,
+    OutboxDiscarded,
     OutboxRequeued,
     process_bus,
 )
-from reaper.phases import ORDER, PHASES, STALE_LIVE
+from reaper.phases import EMPTY_ROOM, ORDER, PHASES, PROVISION_TIMEOUT, STALE_LIVE
 
 
 def operator(settings: Settings) -> str:
@@ -111,9 +114,9 @@ class Controls:
         given = {
             name: value
             for name, value in (
-                ("empty_room_grace", empty_room_grace),
-                ("provision_timeout", provision_timeout),
-                ("stale_live_timeout", stale_live_timeout),
+                (EMPTY_ROOM.setting, empty_room_grace),
+                (PROVISION_TIMEOUT.setting, provision_timeout),
+                (STALE_LIVE.setting, stale_live_timeout),
             )
             if value is not None
         }
@@ -142,9 +145,9 @@ class Controls:
         if grace < stale:
             return
         # name what this command changed: the grace, else the stale-live timeout
-        option = OPTIONS["empty_room_grace"]
-        if "empty_room_grace" not in given and "stale_live_timeout" in given:
-            option = OPTIONS["stale_live_timeout"]
+        option = OPTIONS[EMPTY_ROOM.setting]
+        if EMPTY_ROOM.setting not in given and STALE_LIVE.setting in given:
+            option = OPTIONS[STALE_LIVE.setting]
 
         def which(own: timedelta | None, value: timedelta) -> str:
             return human(value.total_seconds()) + ("" if own else ", the default")
@@ -185,11 +188,44 @@ class Controls:
         )
         return count
 
+    def discard(self, event_id: str, reason: str) -> OutboxDiscarded:
+        """A parked outbox row out of delivery for good, kept in
+        messenger.outbox_discards (docs/design.md#parked-events). Refused
+        (:class:`DiscardRefused`, nothing changed) unless the row is parked."""
+        event = str(uuid.UUID(event_id))
+        if not reason.strip():
+            raise DiscardRefused("a discard needs a reason (--reason)")
+        try:
+            with transaction(self.engine, budgets.quick(self.settings)) as queries:
+                row = queries.discard_outbox(event, reason.strip(), operator(self.settings))
+        except DBAPIError as exc:
+            # the function's own refusals: a pending, published or unknown row
+            if sqlstate(exc) in REFUSALS:
+                raise DiscardRefused(str(exc.orig).strip().splitlines()[0]) from None
+            raise
+        fact = OutboxDiscarded(
+            event_id=row.event_id,
+            message_key=row.message_key,
+            topic=row.topic,
+            reason=row.reason,
+            discarded_by=row.discarded_by,
+            discarded_login=row.discarded_login,
+        )
+        self.bus.emit(fact)
+        return fact
+
+
+class DiscardRefused(ValueError):
+    """``reaper outbox discard`` refused: the row is not parked, or not there."""
+
+
+# messenger.discard_outbox's refusals (migration 0013): a row not parked
+# (object_not_in_prerequisite_state), none with that id (no_data_found), no
+# reason (invalid_parameter_value).
+REFUSALS = frozenset({"55000", "P0002", "22023"})
 
 # The windows a tenant policy may set, by column, and the option that sets each.
-OPTIONS = {
-    phase.window_name: "--" + phase.window_name.replace("_", "-") for phase in PHASES.values()
-}
+OPTIONS = {phase.setting: "--" + phase.setting.replace("_", "-") for phase in PHASES.values()}
 # The table's own check (migration 0008) holds the same bound.
 MAX_WINDOW = timedelta(days=7)
 # An occupied room is ended this long after its last heartbeat at the earliest:
@@ -205,7 +241,7 @@ def floors(settings: Settings) -> dict[str, timedelta]:
     only comes that often, so a shorter window closes nothing sooner and is a
     typo. The stale-live timeout: STALE_LIVE_FLOOR."""
     return {
-        phase.window_name: STALE_LIVE_FLOOR if phase is STALE_LIVE else settings.polling_interval
+        phase.setting: STALE_LIVE_FLOOR if phase is STALE_LIVE else settings.polling_interval
         for phase in PHASES.values()
     }
 

@@ -20,7 +20,6 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -36,6 +35,7 @@ from reaper.events import (
     Bus,
     ConferenceReaped,
     CycleCompleted,
+    CycleResult,
     CycleSkipped,
     CycleStarted,
     CycleTakenOver,
@@ -44,12 +44,13 @@ from reaper.events import (
     PhaseCompleted,
     PhaseFailed,
     PhaseMassClosure,
+    PhaseResult,
     process_bus,
 )
 from reaper.phases import (
     ORDER,
     PHASES,
-    BatchOutcome,
+    BatchEffect,
     Phase,
     Shortest,
     candidates,
@@ -57,7 +58,7 @@ from reaper.phases import (
     reap_batch,
     tenant_windows,
 )
-from reaper.runs import COUNT_KEYS, Run, RunLost, Runs, Start, unowned_result
+from reaper.runs import Run, RunLost, Runs, Start, counts, unowned_result
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ class Reaper:
         as_of: datetime | str | None = None,
         run_id: str | None = None,
         phases: Iterable[str] = ORDER,
-    ) -> dict[str, Any]:
+    ) -> CycleResult:
         """A whole cycle in this process: what the Celery tasks run, one after the other."""
         cycle = self.start(as_of, run_id)
         if not cycle.owns_run:
@@ -138,7 +139,7 @@ class Reaper:
             )
         return Cycle(run_id, start)
 
-    def end_unowned(self, cycle: Cycle) -> dict[str, Any]:
+    def end_unowned(self, cycle: Cycle) -> CycleResult:
         """The result of a cycle that does not own the run: skipped (another cycle
         owns it) or failed (no database). Either way nothing changed."""
         start = cycle.start
@@ -164,7 +165,7 @@ class Reaper:
         )
         return result
 
-    def finish(self, run_id: str) -> dict[str, Any]:
+    def finish(self, run_id: str) -> CycleResult:
         """Close the run and report the cycle's totals."""
         try:
             finished = self.runs.finish(run_id)
@@ -184,7 +185,7 @@ class Reaper:
         )
         return result
 
-    def _failed(self, run_id: str, error: str) -> dict[str, Any]:
+    def _failed(self, run_id: str, error: str) -> CycleResult:
         """A cycle the database failed at its head or its end: reported, counted."""
         now = utcnow()
         result = unowned_result(run_id, now, skipped=False)
@@ -197,7 +198,7 @@ class Reaper:
 
     # -- one phase -----------------------------------------------------------
 
-    def run_phase(self, name: str, run_id: str) -> dict[str, Any]:
+    def run_phase(self, name: str, run_id: str) -> PhaseResult:
         """One phase of the run's cycle: lock, own the run, guard, drain, report.
 
         A phase always runs at least one batch, so a backlog in one phase never
@@ -327,7 +328,7 @@ class Reaper:
             batches.batch,
             batches.report,
             session=lambda: session(self.engine, budgets.batch(settings)),
-            full=lambda done: done.outcome.full(settings.batch_size),
+            full=lambda done: done.effect.full(settings.batch_size),
             lanes=settings.drain_lanes,
             deadline=self.clock() + run.remaining.total_seconds(),
             clock=self.clock,
@@ -352,7 +353,7 @@ class Reaper:
 class Done:
     """A committed batch, as a lane hands it to the report."""
 
-    outcome: BatchOutcome
+    effect: BatchEffect
     began_ns: int
     ended_ns: int
 
@@ -381,7 +382,7 @@ class PhaseBatches:
         """The next batch; a batch the database refuses is retried in parts."""
         began = time.time_ns()
         try:
-            outcome = self._batch(lane)
+            effect = self._batch(lane)
         except DBAPIError as exc:
             if not is_poison_error(exc):
                 raise
@@ -394,13 +395,13 @@ class PhaseBatches:
                     excluded=self._excluded(),
                     shortest=self.shortest,
                 )
-            outcome = self._isolate(lane, ids, exc)
-            outcome.candidates = len(ids)
+            effect = self._isolate(lane, ids, exc)
+            effect.candidates = len(ids)
         self.locked.add(
-            [r.conference_id for r in outcome.reaped] + [r.conference_id for r in outcome.poison],
-            outcome.locked + outcome.held,
+            [r.conference_id for r in effect.reaped] + [r.conference_id for r in effect.poison],
+            effect.locked + effect.held,
         )
-        return Done(outcome, began, time.time_ns())
+        return Done(effect, began, time.time_ns())
 
     def _excluded(self) -> list[str]:
         """Rooms no batch of this phase claims: the cycle's poison, and the rooms a
@@ -410,35 +411,35 @@ class PhaseBatches:
 
     def report(self, done: Done) -> None:
         """Count a committed batch and tell it (the teller thread only)."""
-        outcome, run, phase = done.outcome, self.run, self.phase
-        self.reaped += len(outcome.reaped)
-        self.poison += len(outcome.poison)
-        run.counts[phase.count_key] += len(outcome.reaped)
-        run.counts["failed_count"] += len(outcome.poison)  # the result's name for poison rows
+        effect, run, phase = done.effect, self.run, self.phase
+        self.reaped += len(effect.reaped)
+        self.poison += len(effect.poison)
+        run.counts[phase.count_key] += len(effect.reaped)
+        run.counts["failed_count"] += len(effect.poison)  # the result's name for poison rows
         self.bus.emit(
             BatchSelected(
                 run_id=run.run_id,
                 phase=phase.name,
-                outcome=phase.outcome,
-                claimed=len(outcome.reaped) + len(outcome.poison),
-                reaped=tuple(outcome.reaped),
-                poison=tuple(outcome.poison),
-                skipped_locked=len(outcome.locked) + len(outcome.held),
-                stops=tuple(outcome.stops),
+                label=phase.label,
+                claimed=len(effect.reaped) + len(effect.poison),
+                reaped=tuple(effect.reaped),
+                poison=tuple(effect.poison),
+                skipped_locked=len(effect.locked) + len(effect.held),
+                stops=tuple(effect.stops),
                 started_ns=done.began_ns,
                 ended_ns=done.ended_ns,
             )
         )
-        self.bus.emit_each(outcome.reaped, ConferenceReaped)
-        self.bus.emit_each(outcome.poison, ItemFailed)
-        for anomaly in outcome.anomalies:
+        self.bus.emit_each(effect.reaped, ConferenceReaped)
+        self.bus.emit_each(effect.poison, ItemFailed)
+        for anomaly in effect.anomalies:
             self.bus.emit(anomaly)
 
-    def _batch(self, lane: Session, only: list[str] | None = None) -> BatchOutcome:
+    def _batch(self, lane: Session, only: list[str] | None = None) -> BatchEffect:
         """One batch, one transaction; poison rows are left out for the rest of the cycle."""
         run = self.run
         with lane.transaction() as queries:
-            outcome = reap_batch(
+            effect = reap_batch(
                 queries,
                 self.phase,
                 self.settings,
@@ -449,35 +450,35 @@ class PhaseBatches:
                 only=only,
                 shortest=self.shortest,
             )
-            if outcome.fenced:  # changed nothing: no lane of this phase may go on
+            if effect.fenced:  # changed nothing: no lane of this phase may go on
                 raise RunLost(
                     f"run {run.run_id} is fenced off: its lock session (backend "
                     f"{run.holder_pid}) is gone or another cycle took the run over"
                 )
             # Before the commit: a lane whose batch starts after it leaves them out.
             with self._held_lock:
-                self._held.update(outcome.held)
-            fresh = set(run.exclude([r.conference_id for r in outcome.poison]))
-            outcome.poison = [r for r in outcome.poison if r.conference_id in fresh]
-        return outcome
+                self._held.update(effect.held)
+            fresh = set(run.exclude([r.conference_id for r in effect.poison]))
+            effect.poison = [r for r in effect.poison if r.conference_id in fresh]
+        return effect
 
-    def _isolate(self, lane: Session, ids: list[str], error: DBAPIError) -> BatchOutcome:
+    def _isolate(self, lane: Session, ids: list[str], error: DBAPIError) -> BatchEffect:
         """The database refused a batch: the same batch in halves, each its own
         transaction, until the row it refuses is alone. That row is poison (left
         out for the cycle, counted, logged); every other row commits."""
         if not ids:
-            return BatchOutcome()
+            return BatchEffect()
         if len(ids) == 1:
             if not self.run.exclude(ids):  # another lane isolated it first
-                return BatchOutcome()
+                return BatchEffect()
             poison = ItemFailed(
                 run_id=self.run.run_id,
                 phase=self.phase.name,
                 conference_id=ids[0],
                 error=describe(error),
             )
-            return BatchOutcome(poison=[poison])
-        outcome = BatchOutcome()
+            return BatchEffect(poison=[poison])
+        effect = BatchEffect()
         for half in (ids[: len(ids) // 2], ids[len(ids) // 2 :]):
             try:
                 part = self._batch(lane, only=half)
@@ -485,8 +486,8 @@ class PhaseBatches:
                 if not is_poison_error(exc):
                     raise
                 part = self._isolate(lane, half, exc)
-            outcome = outcome.merge(part)
-        return outcome
+            effect = effect.merge(part)
+        return effect
 
 
 def is_poison_error(exc: DBAPIError) -> bool:
@@ -502,13 +503,13 @@ def phase_result(
     before: dict[str, int],
     after: dict[str, int],
     paused: list[str] | None = None,
-) -> dict[str, Any]:
+) -> PhaseResult:
     """A phase task's result: the cycle's result keys, counting that phase alone;
     ``skipped`` when the phase found the run no longer its cycle's."""
     return {
         "run_id": run_id,
         "as_of": rfc3339(run.as_of) if run else None,
         "skipped": run is None,
-        **{key: after.get(key, 0) - before.get(key, 0) for key in COUNT_KEYS},
+        **counts({key: after.get(key, 0) - before.get(key, 0) for key in after}),
         "paused": paused or [],
     }

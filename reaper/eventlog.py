@@ -4,41 +4,38 @@ A subscriber of the engine's facts (:func:`subscribe`), connected at process
 set-up by :mod:`reaper.wiring`. The names are part of the interface (dashboards
 and alerts in the log pipeline use them; tests assert them): rename none.
 Fields are ids, enums and counts, never names or tokens.
+
+A fact declared with ``@logged`` (reaper/events.py) says its event, level and
+fields itself, and :func:`writer` writes it; a function here is for a fact whose
+line needs more than its fields: a name or level chosen by its values, a field
+computed, renamed or constant, or a second line.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import timedelta
 
 from reaper.clock import rfc3339, rfc3339_or_none
 from reaper.events import (
+    LOGGED,
     BatchSelected,
     Bus,
-    ConferenceAnomaly,
-    ConferenceReaped,
     ControlPaused,
     ControlPolicySet,
     ControlPolicyUnset,
-    ControlResumed,
     CycleCompleted,
-    CycleSkipped,
     CycleStarted,
     CycleTakenOver,
-    ItemFailed,
-    LockLost,
-    OutboxRequeued,
+    Logged,
     PassLockLost,
     PhaseCompleted,
     PhaseFailed,
     PhaseMassClosure,
     RecorderPassCompleted,
     RelayBatchCommitted,
-    RelayCloseFailed,
-    RelayDbFailed,
-    RelayKafkaUnavailable,
     RelayPassCompleted,
-    RelayRetentionDeleted,
     RelayTopicMissing,
 )
 from reaper.logs import get_logger, log
@@ -58,32 +55,35 @@ MASS_CLOSURE_HINT = (
 
 
 def subscribe(bus: Bus) -> None:
+    for fact_type, declared in LOGGED.items():
+        bus.subscribe(fact_type, writer(declared))
     bus.subscribe(CycleStarted, cycle_started)
-    bus.subscribe(CycleSkipped, cycle_skipped)
     bus.subscribe(CycleTakenOver, cycle_taken_over)
     bus.subscribe(CycleCompleted, cycle_completed)
     bus.subscribe(BatchSelected, batch_selected)
-    bus.subscribe(ConferenceReaped, conference_reaped)
-    bus.subscribe(ItemFailed, item_failed)
-    bus.subscribe(ConferenceAnomaly, conference_anomaly)
     bus.subscribe(PhaseMassClosure, phase_mass_closure)
     bus.subscribe(PhaseCompleted, phase_completed)
     bus.subscribe(PhaseFailed, phase_failed)
-    bus.subscribe(LockLost, lock_lost)
     bus.subscribe(PassLockLost, pass_lock_lost)
     bus.subscribe(RelayBatchCommitted, relay_batch)
-    bus.subscribe(RelayKafkaUnavailable, relay_kafka_unavailable)
     bus.subscribe(RelayTopicMissing, relay_topic_missing)
-    bus.subscribe(RelayDbFailed, relay_db_failed)
-    bus.subscribe(RelayCloseFailed, relay_close_failed)
-    bus.subscribe(RelayRetentionDeleted, relay_retention_deleted)
     bus.subscribe(RelayPassCompleted, relay_pass)
     bus.subscribe(ControlPaused, paused)
-    bus.subscribe(ControlResumed, resumed)
-    bus.subscribe(OutboxRequeued, outbox_requeued)
     bus.subscribe(ControlPolicySet, policy_set)
     bus.subscribe(ControlPolicyUnset, policy_unset)
     bus.subscribe(RecorderPassCompleted, recorder_pass_completed)
+
+
+def writer(declared: Logged) -> Callable[[object], None]:
+    """The subscriber that logs a declared fact: its fields, as they are."""
+    area = get_logger(declared.logger)  # once, not per line: a drain logs thousands
+
+    def write(fact: object) -> None:
+        fields = {name: getattr(fact, name) for name in declared.fields}
+        log(area, declared.event, level=declared.level, **fields)
+
+    write.__qualname__ = f"write[{declared.event}]"  # subscriber.failed names it
+    return write
 
 
 def cycle_started(fact: CycleStarted) -> None:
@@ -98,17 +98,6 @@ def cycle_started(fact: CycleStarted) -> None:
             database_clock=rfc3339(fact.started_at),
             reason="the worker's clock is off the database's; as_of is the database's",
         )
-
-
-def cycle_skipped(fact: CycleSkipped) -> None:
-    log(
-        logger,
-        "cycle.skipped",
-        run_id=fact.run_id,
-        reason=fact.reason,
-        holder_pid=fact.holder_pid,
-        owner_run_id=fact.owner_run_id,
-    )
 
 
 def cycle_taken_over(fact: CycleTakenOver) -> None:
@@ -143,46 +132,6 @@ def batch_selected(fact: BatchSelected) -> None:
         reaped=len(fact.reaped),
         failed=len(fact.poison),
         skipped_locked=fact.skipped_locked,
-    )
-
-
-def conference_reaped(fact: ConferenceReaped) -> None:
-    log(
-        logger,
-        "conference.reaped",
-        run_id=fact.run_id,
-        phase=fact.phase,
-        conference_id=fact.conference_id,
-        chat_id=fact.chat_id,
-        deal_id=fact.deal_id,
-        status=fact.status,
-        end_reason=fact.end_reason,
-        duration_seconds=fact.duration_seconds,
-    )
-
-
-def item_failed(fact: ItemFailed) -> None:
-    log(
-        logger,
-        "item.failed",
-        level=logging.ERROR,
-        run_id=fact.run_id,
-        phase=fact.phase,
-        conference_id=fact.conference_id,
-        error=fact.error,
-    )
-
-
-def conference_anomaly(fact: ConferenceAnomaly) -> None:
-    log(
-        logger,
-        "conference.anomaly",
-        level=logging.WARNING,
-        run_id=fact.run_id,
-        phase=fact.phase,
-        conference_id=fact.conference_id,
-        problem=fact.problem,
-        duration_seconds=None,
     )
 
 
@@ -246,17 +195,6 @@ def phase_failed(fact: PhaseFailed) -> None:
     )
 
 
-def lock_lost(fact: LockLost) -> None:
-    log(
-        logger,
-        "lock.lost",
-        level=logging.ERROR,
-        run_id=fact.run_id,
-        phase=fact.phase,
-        error=fact.error,
-    )
-
-
 def relay_batch(fact: RelayBatchCommitted) -> None:
     if fact.published:
         log(relay_logger, "relay.published", count=fact.published, claimed=fact.claimed)
@@ -279,18 +217,6 @@ def relay_batch(fact: RelayBatchCommitted) -> None:
         )
 
 
-def relay_kafka_unavailable(fact: RelayKafkaUnavailable) -> None:
-    log(
-        relay_logger,
-        "relay.kafka_unavailable",
-        level=logging.ERROR,
-        bootstrap_servers=fact.bootstrap_servers,
-        cause=fact.cause,
-        error=fact.error,
-        rows=fact.rows,
-    )
-
-
 def relay_topic_missing(fact: RelayTopicMissing) -> None:
     log(
         relay_logger,
@@ -299,18 +225,6 @@ def relay_topic_missing(fact: RelayTopicMissing) -> None:
         topic=fact.topic,
         reason=f"Kafka has no topic {fact.topic!r}; create it (the relay never does)",
     )
-
-
-def relay_db_failed(fact: RelayDbFailed) -> None:
-    log(relay_logger, "relay.db_failed", level=logging.ERROR, error=fact.error)
-
-
-def relay_close_failed(fact: RelayCloseFailed) -> None:
-    log(relay_logger, "relay.close_failed", level=logging.ERROR, error=fact.error)
-
-
-def relay_retention_deleted(fact: RelayRetentionDeleted) -> None:
-    log(relay_logger, "relay.retention_deleted", count=fact.count, cutoff=fact.cutoff)
 
 
 def pass_lock_lost(fact: PassLockLost) -> None:
@@ -359,28 +273,6 @@ def paused(fact: ControlPaused) -> None:
         paused_at=rfc3339(fact.paused_at),
         paused_until=rfc3339_or_none(fact.paused_until),
         paused_by=fact.paused_by,
-    )
-
-
-def resumed(fact: ControlResumed) -> None:
-    log(
-        control_logger,
-        "control.resumed",
-        level=logging.WARNING,
-        phase=fact.phase,
-        reason=fact.reason,
-        resumed_by=fact.resumed_by,
-    )
-
-
-def outbox_requeued(fact: OutboxRequeued) -> None:
-    log(
-        control_logger,
-        "outbox.requeued",
-        level=logging.WARNING,
-        count=fact.count,
-        event_id=fact.event_id,
-        requeued_by=fact.requeued_by,
     )
 
 

@@ -4,7 +4,8 @@ The engine (:mod:`reaper.cycle`, :mod:`reaper.relay`) says what happened, as
 plain frozen facts, once the database has committed it: a conference reaped, a
 batch selected, a phase completed, a cycle completed, a relay pass completed.
 Each fact is named after the log event it becomes (``BatchSelected`` ->
-``batch.selected``), and its fields are keywords. Logs, Prometheus,
+``batch.selected``), and its fields are keywords. A fact whose line is its
+fields as they are declares that line where it is defined (:func:`logged`). Logs, Prometheus,
 OpenTelemetry and the database gauges are subscribers, connected in one place
 when a process sets itself up (:mod:`reaper.wiring`). The engine imports none
 of them; a test subscribes a recorder of facts.
@@ -22,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar
 
 from reaper.errors import describe
 from reaper.logs import get_logger, log
@@ -74,9 +75,95 @@ class Bus:
                 self.emit(fact)
 
 
+@dataclass(frozen=True, slots=True)
+class Logged:
+    """How a fact is logged when its line is its fields as they are: the event
+    name, the level, the logger's area (``reaper.<logger>``) and the fact's
+    attributes that make the line's fields, in the line's order."""
+
+    event: str
+    level: int
+    fields: tuple[str, ...]
+    logger: str
+
+
+# Every fact declared with @logged, by type: reaper.eventlog writes each one, and
+# tests/test_docs.py holds docs/design.md#log-events to them.
+LOGGED: dict[type, Logged] = {}
+
+
+def logged(
+    event: str, level: int = logging.INFO, *, fields: tuple[str, ...], logger: str
+) -> Callable[[type[F]], type[F]]:
+    """Declare with a fact how it is logged (:class:`Logged`). A fact whose line
+    needs more than its fields (a name or level chosen by its values, a field
+    computed or renamed) is not declared: reaper.eventlog has a function for it."""
+
+    def declare(fact_type: type[F]) -> type[F]:
+        for name in fields:
+            if not hasattr(fact_type, name):
+                raise TypeError(f"{fact_type.__name__} has no field {name!r} to log")
+        LOGGED[fact_type] = Logged(event, level, fields, logger)
+        return fact_type
+
+    return declare
+
+
 # The bus of this process: the worker and the CLI connect its subscribers at
 # set-up (reaper.wiring.install); the engine emits to it unless given another.
 process_bus = Bus()
+
+
+# -- the results of the tasks (docs/design.md#tasks) ------------------------------
+#
+# Celery returns them as they are (JSON objects); the keys are an interface
+# (Flower, cycle.completed, `reaper reap --once`), so they are typed here once
+# and every reader is checked against them.
+
+# A count of a cycle's result: one per phase (its Phase.count_key), the rows a
+# command held (SKIP LOCKED) and the poison rows.
+PhaseCountKey = Literal["empty_timeout_count", "provision_failed_count", "stale_timeout_count"]
+CountKey = Literal[PhaseCountKey, "skipped_locked_count", "failed_count"]
+
+
+class Counts(TypedDict):
+    """The counts of a cycle, or of one phase of it (reaper.runs.counts builds them)."""
+
+    empty_timeout_count: int
+    provision_failed_count: int
+    stale_timeout_count: int
+    skipped_locked_count: int
+    failed_count: int  # poison rows: the result's name for them (docs/design.md#names)
+
+
+class CycleResult(Counts):
+    """The result of ``reaper.reap`` (and of ``reaper.reap_phase`` by hand), and the
+    fields of cycle.completed (reaper.runs.cycle_result builds it)."""
+
+    run_id: str
+    as_of: str  # RFC 3339
+    skipped: bool
+    duration_ms: int
+    paused: list[str]
+
+
+class PhaseResult(Counts):
+    """The result of ``reaper.reap_phase`` in a cycle's chain: that phase's counts
+    (reaper.cycle.phase_result builds it)."""
+
+    run_id: str
+    as_of: str | None  # None: the run was no longer the cycle's
+    skipped: bool
+    paused: list[str]
+
+
+class RelayTaskResult(TypedDict):
+    """The result of ``reaper.relay_outbox`` and of ``reaper relay --once``."""
+
+    published: int
+    failed: int
+    parked: int
+    pending: int
 
 
 # -- a cycle -------------------------------------------------------------------
@@ -91,6 +178,7 @@ class CycleStarted:
     clock_skew_seconds: float
 
 
+@logged("cycle.skipped", fields=("run_id", "reason", "holder_pid", "owner_run_id"), logger="cycle")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CycleSkipped:
     """Another cycle owns the run: this one changed nothing."""
@@ -114,7 +202,7 @@ class CycleTakenOver:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CycleCompleted:
     run_id: str
-    result: dict[str, Any]  # the task's result (docs/design.md#tasks)
+    result: CycleResult  # the task's result (docs/design.md#tasks)
     errors: int = 0
     started_at: datetime
     finished_at: datetime
@@ -126,6 +214,20 @@ class CycleCompleted:
 # -- a phase -------------------------------------------------------------------
 
 
+@logged(
+    "conference.reaped",
+    fields=(
+        "run_id",
+        "phase",
+        "conference_id",
+        "chat_id",
+        "deal_id",
+        "status",
+        "end_reason",
+        "duration_seconds",
+    ),
+    logger="cycle",
+)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConferenceReaped:
     run_id: str
@@ -141,6 +243,12 @@ class ConferenceReaped:
     lateness_seconds: float | None = None
 
 
+@logged(
+    "item.failed",
+    logging.ERROR,
+    fields=("run_id", "phase", "conference_id", "error"),
+    logger="cycle",
+)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ItemFailed:
     """A poison row (docs/design.md#names): the database refuses it, so it is left
@@ -152,6 +260,12 @@ class ItemFailed:
     error: str  # what the database said
 
 
+@logged(
+    "conference.anomaly",
+    logging.WARNING,
+    fields=("run_id", "phase", "conference_id", "problem", "duration_seconds"),
+    logger="cycle",
+)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ConferenceAnomaly:
     """A room closed although its started_at could give no duration (it is null)."""
@@ -160,6 +274,11 @@ class ConferenceAnomaly:
     phase: str
     conference_id: str
     problem: str
+
+    @property
+    def duration_seconds(self) -> None:
+        """Null in its line, as in conference.reaped's of such a room: no duration."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -179,7 +298,7 @@ class BatchSelected:
 
     run_id: str
     phase: str
-    outcome: str  # items_total label
+    label: str  # the phase's value of the outcome label of items_total
     claimed: int = 0
     reaped: tuple[ConferenceReaped, ...] = ()
     poison: tuple[ItemFailed, ...] = ()
@@ -231,6 +350,7 @@ class PhaseFailed:
     reaped: int = 0  # batches committed before the failure
 
 
+@logged("lock.lost", logging.ERROR, fields=("run_id", "phase", "error"), logger="cycle")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LockLost:
     """The phase's lock session was gone at its release: the server or the network
@@ -292,6 +412,7 @@ class GaugesMeasured:
     outbox_pending: int = 0
     outbox_oldest_pending_age_seconds: float = 0.0
     outbox_parked: int = 0
+    outbox_discarded: int = 0  # rows of messenger.outbox_discards (migration 0013)
     paused: tuple[str, ...] = ()  # the phases paused now
     # when a run last completed, whichever replica ran it (None: never)
     last_run_completed_at: datetime | None = None
@@ -312,6 +433,12 @@ class ControlPaused:
     paused_by: str
 
 
+@logged(
+    "control.resumed",
+    logging.WARNING,
+    fields=("phase", "reason", "resumed_by"),
+    logger="control",
+)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlResumed:
     phase: str
@@ -343,11 +470,37 @@ class ControlPolicyUnset:
     unset_by: str
 
 
+@logged(
+    "outbox.requeued",
+    logging.WARNING,
+    fields=("count", "event_id", "requeued_by"),
+    logger="control",
+)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OutboxRequeued:
     count: int = 0
     event_id: str | None = None  # None: all parked rows
     requeued_by: str
+
+
+# WARNING: an event its consumers will never get, by an operator's decision
+@logged(
+    "outbox.discarded",
+    logging.WARNING,
+    fields=("event_id", "message_key", "topic", "reason", "discarded_by", "discarded_login"),
+    logger="control",
+)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutboxDiscarded:
+    """A parked row taken out of delivery for good, kept in messenger.outbox_discards:
+    its deal's later events go on without it."""
+
+    event_id: str
+    message_key: str  # the deal
+    topic: str
+    reason: str
+    discarded_by: str  # REAPER_OPERATOR, else the OS user
+    discarded_login: str  # the database login that ran it
 
 
 # -- the relay --------------------------------------------------------------------
@@ -366,6 +519,9 @@ class RelayResult:
     pending: int = 0  # the outbox after the pass
     oldest_pending_age_seconds: float = 0.0
     outbox_parked: int = 0
+    # what a snapshot held elsewhere does to the outbox (migration 0012)
+    outbox_dead_rows: int = 0
+    oldest_snapshot_age_seconds: float | None = 0.0  # None: unknown
     deleted: int = 0
     kafka_unavailable: bool = False
     database_failed: bool = False
@@ -373,7 +529,7 @@ class RelayResult:
     timed_out: bool = False  # Celery's soft time limit ended it
     lock_lost: bool = False  # the relay lock was lost midway: the rest was fenced off
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> RelayTaskResult:
         """The task's result and ``reaper relay --once``'s (docs/design.md#tasks)."""
         return {
             "published": self.published,
@@ -396,6 +552,12 @@ class RelayBatchCommitted:
     max_attempts: int = 0
 
 
+@logged(
+    "relay.kafka_unavailable",
+    logging.ERROR,
+    fields=("bootstrap_servers", "cause", "error", "rows"),
+    logger="relay",
+)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayKafkaUnavailable:
     """A batch found Kafka unreachable: its rows not yet sent are backed off uncharged."""
@@ -415,11 +577,13 @@ class RelayTopicMissing:
     topic: str
 
 
+@logged("relay.db_failed", logging.ERROR, fields=("error",), logger="relay")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayDbFailed:
     error: str
 
 
+@logged("relay.close_failed", logging.ERROR, fields=("error",), logger="relay")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayCloseFailed:
     """Awaiting and marking a batch failed other than by the database."""
@@ -427,6 +591,7 @@ class RelayCloseFailed:
     error: str
 
 
+@logged("relay.retention_deleted", fields=("count", "cutoff"), logger="relay")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RelayRetentionDeleted:
     count: int

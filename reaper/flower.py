@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from reaper import metrics
+from reaper import multiproc
 
 FLOWER_AUTH_ENV = "FLOWER_BASIC_AUTH"
 
@@ -61,4 +61,4 @@ def _flower_options_parsed() -> None:
         problem = problem.replace("is not set", "was emptied by an option")
     if problem:
         _refuse(problem)
-    metrics.keep_out_of_multiprocess()
+    multiproc.keep_out_of_multiprocess()

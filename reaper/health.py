@@ -3,11 +3,14 @@ and are rooms being closed at all?
 
 Healthy (200) when both hold:
 
-- a reap cycle of this worker completed, or was skipped because another
-  runner owned the run, within ``INTERVALS`` polling intervals (a worker that
-  just started has that long for its first). Otherwise the embedded beat died
-  while the worker lives on, the database has been failing every cycle, or
-  the worker is wedged.
+- this worker finished a piece of a reap cycle (a phase, a cycle's end, or a
+  tick skipped because another runner owned the run) within ``INTERVALS``
+  polling intervals (a worker that just started has that long for its
+  first). Otherwise the embedded beat died while the worker lives on, the
+  database has been failing every cycle, or the worker is wedged. Pieces, not
+  whole cycles: replicas share one queue, and a cycle's five tasks land on
+  whichever replica takes them, so one replica can go several intervals
+  without a cycle's end although its pool does its share.
 - a run completed, by any replica, within ``CLOSING_INTERVALS`` polling
   intervals (counted from this worker's start when that is later), read from
   ``messenger.reaper_runs``. Otherwise closings have stopped although ticks
@@ -40,7 +43,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import budgets, metrics, release, schema
+from reaper import budgets, multiproc, release, schema
 from reaper.config import Settings
 from reaper.db import engine_of, transaction
 from reaper.release import Verdict
@@ -78,8 +81,8 @@ class Check:
 
     def answer(self) -> tuple[int, bytes]:
         now = time.time()
-        last_cycle = metrics.read("messenger_conf_reaper_last_cycle_timestamp_seconds") or None
-        last_relay = metrics.read("messenger_outbox_last_relay_timestamp_seconds") or None
+        last_cycle = multiproc.read("messenger_conf_reaper_last_cycle_timestamp_seconds") or None
+        last_relay = multiproc.read("messenger_outbox_last_relay_timestamp_seconds") or None
         closing = self.reads()  # None: the database did not answer within its budget
         cycling = now - (last_cycle or self.started) <= self.limit
         run_age = closing.last_run_completed_age_seconds if closing is not None else None

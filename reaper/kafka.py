@@ -2,13 +2,14 @@
 
 The producer owns a sender thread, so it must be created after the prefork
 fork (a thread does not survive into a child) and closed when the process
-ends: ``get_producer`` creates it on first use in the calling process,
+ends: ``process_slot(settings).get()`` creates it on first use in the calling process,
 ``close_producer`` flushes and closes it (wired to ``worker_process_shutdown``
 and ``worker_shutdown`` in :mod:`reaper.lifecycle`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import ssl
@@ -192,7 +193,7 @@ class ProducerSlot:
             threading.Thread(
                 target=_close_dropped, args=(producer, timeout), name="kafka-discard", daemon=True
             ).start()
-            log(logger, "kafka.producer_discarded", level=30, reason=reason)
+            log(logger, "kafka.producer_discarded", level=logging.WARNING, reason=reason)
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush what is in flight and close; a no-op without a producer of this process."""
@@ -204,7 +205,7 @@ class ProducerSlot:
         try:
             producer.flush(timeout=timeout)
         except Exception as exc:  # closing anyway: the outbox rows are still pending
-            log(logger, "kafka.flush_failed", level=30, error=type(exc).__name__, detail=str(exc))
+            _flush_failed(exc)
         producer.close(timeout=timeout)
         log(logger, "kafka.producer_closed")
 
@@ -215,7 +216,17 @@ def _close_dropped(producer: KafkaProducer, timeout: float) -> None:
     try:
         producer.close(timeout=timeout)
     except Exception as exc:  # its rows are pending either way; its sender thread stays
-        log(logger, "kafka.flush_failed", level=30, error=type(exc).__name__, detail=str(exc))
+        _flush_failed(exc)
+
+
+def _flush_failed(exc: Exception) -> None:
+    log(
+        logger,
+        "kafka.flush_failed",
+        level=logging.WARNING,
+        error=type(exc).__name__,
+        detail=str(exc),
+    )
 
 
 _process_slot: ProducerSlot | None = None
@@ -223,16 +234,19 @@ _slot_lock = threading.Lock()
 
 
 def process_slot(settings: Settings) -> ProducerSlot:
-    """The producer slot of this process (one producer per worker process)."""
+    """The producer slot of this process (one producer per worker process), for
+    these settings. A worker has one set of settings; a process that relays with
+    others (another Kafka, other credentials) gets a slot of its own for them,
+    and the previous one's producer is dropped: serving the first caller's
+    producer to every later one sent their records to the first one's brokers."""
     global _process_slot
     with _slot_lock:
-        if _process_slot is None:
-            _process_slot = ProducerSlot(settings)
-        return _process_slot
-
-
-def get_producer(settings: Settings) -> KafkaProducer:
-    return process_slot(settings).get()
+        slot = _process_slot
+        if slot is None or producer_config(slot.settings) != producer_config(settings):
+            if slot is not None:
+                slot.discard("the process relays with other Kafka settings")
+            slot = _process_slot = ProducerSlot(settings)
+        return slot
 
 
 def close_producer(timeout: float = 5.0) -> None:

@@ -33,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import sys
+from functools import partial
 from typing import Any
 
 from celery.signals import (
@@ -48,7 +49,19 @@ from celery.signals import (
 from sqlalchemy import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from reaper import db, health, kafka, logs, metrics, release, schema, tracing, wiring
+from reaper import (
+    db,
+    endpoint,
+    health,
+    kafka,
+    logs,
+    multiproc,
+    nudge,
+    release,
+    schema,
+    tracing,
+    wiring,
+)
 from reaper.config import Settings, get_settings
 from reaper.errors import describe
 
@@ -60,7 +73,7 @@ logger = logs.get_logger("worker")
 _stopping: Any = None
 
 # The main process's /metrics and /healthz server, from worker_ready on.
-_server: metrics.Server | None = None
+_server: endpoint.Server | None = None
 
 # Whether this process (or the worker it was forked from) checked the schema:
 # an embedded beat is not checked twice.
@@ -120,11 +133,19 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     check_schema(settings, "worker")
     stopping()  # created before the pool forks
     if settings.metrics_port:
-        metrics.enable_multiprocess(os.environ.get(metrics.MULTIPROC_ENV) or None)
+        multiproc.enable_multiprocess(os.environ.get(multiproc.MULTIPROC_ENV) or None)
     # solo/threads pools run tasks in this process: no child will configure it
     pool = str(getattr(sender, "pool_cls", "")).lower()
     if "prefork" not in pool and not tracing.enabled():
         tracing.configure()
+    if "prefork" in pool:
+        # Before the pool forks, so every child has it: a child's drains ask for
+        # relay passes, each child from a thread of its own (reaper/nudge.py).
+        # Not for a solo or threads pool (a test's in-process worker), nor in
+        # `reaper reap --once` or `celery call`, which run no worker.
+        wiring.request_relay_on_events(
+            partial(sender.app.send_task, "reaper.relay_outbox", expires=nudge.NUDGE_EXPIRES)
+        )
     if not settings.recorder_url:
         logs.log(
             logger,
@@ -145,10 +166,10 @@ def _on_beat_init(**_: Any) -> None:
 def _on_worker_ready(**_: Any) -> None:
     global _server
     settings = get_settings()
-    if not settings.metrics_port or metrics.multiprocess_dir() is None or _server is not None:
+    if not settings.metrics_port or multiproc.multiprocess_dir() is None or _server is not None:
         return
     try:
-        _server = metrics.serve(
+        _server = endpoint.serve(
             settings.metrics_port,
             settings.metrics_address,
             refresh=wiring.gauges(settings).refresh,
@@ -183,7 +204,7 @@ def _on_worker_process_shutdown(**_: Any) -> None:
     # flight first, while tracing and metrics still record what it does.
     kafka.close_producer()
     tracing.shutdown()
-    metrics.child_exited(os.getpid())
+    multiproc.child_exited(os.getpid())
 
 
 @worker_shutdown.connect

@@ -4,8 +4,9 @@
 record (``record.event``, ``record.fields``), so tests assert on names, and
 :class:`JsonFormatter` renders one JSON object per line for the log pipeline.
 Every name is written out where it is logged (a string, or a choice between
-two), so that docs/design.md#log-events lists each one; tests/test_docs.py
-reads every call of :func:`log` and holds that list to them.
+two) or where its fact is declared (``@logged`` in reaper/events.py), so that
+docs/design.md#log-events lists each one; tests/test_docs.py reads every call
+of :func:`log` and every declaration and holds that list to them.
 
 A drain logs one line per reaped room, thousands a second beside PostgreSQL on
 the same cores, so the path is kept short (docs/performance.md): the record is

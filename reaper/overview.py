@@ -21,7 +21,16 @@ from reaper.clock import rfc3339_or_none as rfc3339
 from reaper.config import Settings
 from reaper.control import TenantPolicy
 from reaper.db import transaction
-from reaper.phases import ORDER, PHASES, Phase, bounds, mass_closure, tenant_windows
+from reaper.phases import (
+    EMPTY_ROOM,
+    ORDER,
+    PHASES,
+    PROVISION_TIMEOUT,
+    Phase,
+    bounds,
+    mass_closure,
+    tenant_windows,
+)
 
 
 def safe_url(url: str) -> str:
@@ -38,6 +47,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
         result = census(queries, settings, now)
         ahead = activity_ahead_count(queries, now)
         pending, oldest, parked = queries.outbox_pending_stats()
+        discarded = queries.outbox_discarded_count()
         pid = queries.run_lock_holder()
         activity = queries.backend_activity(pid) if pid is not None else None
         runs = queries.last_runs()
@@ -71,6 +81,7 @@ def status(engine: Engine, settings: Settings) -> dict[str, Any]:
             "pending": pending,
             "oldest_pending_age_seconds": _round(oldest),
             "parked": parked,
+            "discarded": discarded,
         },
         "lock": lock,
         "tenant_policies": tenant_policies,
@@ -141,6 +152,11 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(
             f"{'outbox parked':<18} {outbox['parked']:>8}  (reaper outbox parked; runbook)"
         )
+    if outbox["discarded"]:
+        lines.append(
+            f"{'outbox discarded':<18} {outbox['discarded']:>8}"
+            "  (kept in messenger.outbox_discards; runbook)"
+        )
     lock = data["lock"]
     if lock["held"]:
         who = lock.get("holder") or {}
@@ -187,11 +203,11 @@ def _reason(phase: Phase, row: Any, window: timedelta, as_of: datetime) -> str:
     window_text = human(window.total_seconds())
     if row.tenant_window is not None:
         window_text += ", tenant policy"
-    if phase.name == "provision_timeout":
+    if phase is PROVISION_TIMEOUT:
         age = human((as_of - row.created_at).total_seconds())
         return f"Provisioning for {age} (timeout {window_text})"
     idle = human((as_of - row.last_activity_at).total_seconds())
-    if phase.name == "empty_room":
+    if phase is EMPTY_ROOM:
         return f"empty, no activity for {idle} (grace {window_text})"
     return (
         f"no presence activity for {idle} with {row.active_participant_count} "
@@ -321,7 +337,7 @@ def format_plan(data: dict[str, Any]) -> str:
 # -- reaper policy -----------------------------------------------------------
 
 
-WINDOWS = tuple(phase.window_name for phase in PHASES.values())
+WINDOWS = tuple(phase.setting for phase in PHASES.values())
 
 
 def _window_text(policy: Any, name: str, settings: Settings) -> str:

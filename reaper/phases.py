@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from reaper.config import Settings
-from reaper.events import ConferenceAnomaly, ConferenceReaped, ItemFailed, StopRequest
+from reaper.events import (
+    ConferenceAnomaly,
+    ConferenceReaped,
+    ItemFailed,
+    PhaseCountKey,
+    StopRequest,
+)
 from reaper.queries import Queries, ResultRow
 
 # Per phase, the shortest window any tenant policy sets (None: none does).
@@ -21,8 +27,8 @@ Shortest = dict[str, timedelta | None]
 @dataclass(frozen=True, kw_only=True)
 class Phase:
     name: str
-    outcome: str  # metrics label of items_total
-    count_key: str  # key of the cycle result
+    label: str  # its value of the outcome label of items_total (docs/design.md#metrics)
+    count_key: PhaseCountKey  # its count in the cycle's result (events.Counts)
     status: str
     end_reason: str
     # the mass-closure guard applies (cycle.Reaper): a presence outage looks like this
@@ -30,7 +36,7 @@ class Phase:
 
     # the column of messenger.reaper_tenant_policies (and of Settings) that holds
     # a tenant's own window for this phase (docs/design.md#windows-per-tenant)
-    window_name: str = ""
+    setting: str = ""
     # the prefix of its bounds in sql/queries.sql (:empty_cutoff, :empty_range)
     param: str = ""
 
@@ -43,7 +49,7 @@ class Phase:
 
     def window(self, settings: Settings) -> timedelta:
         """The default window; a tenant's policy replaces it for its conferences."""
-        window: timedelta = getattr(settings, self.window_name)
+        window: timedelta = getattr(settings, self.setting)
         return window
 
     def cutoff(self, settings: Settings, as_of: datetime) -> datetime:
@@ -62,30 +68,30 @@ class Phase:
 
 EMPTY_ROOM = Phase(
     name="empty_room",
-    outcome="empty_timeout",
+    label="empty_timeout",
     count_key="empty_timeout_count",
     status="Ended",
     end_reason="EmptyTimeout",
-    window_name="empty_room_grace",
+    setting="empty_room_grace",
     param="empty",
 )
 PROVISION_TIMEOUT = Phase(
     name="provision_timeout",
-    outcome="provision_failed",
+    label="provision_failed",
     count_key="provision_failed_count",
     status="Failed",
     end_reason="Error",
-    window_name="provision_timeout",
+    setting="provision_timeout",
     param="provision",
 )
 STALE_LIVE = Phase(
     name="stale_live",
-    outcome="stale_timeout",
+    label="stale_timeout",
     count_key="stale_timeout_count",
     status="Ended",
     end_reason="Timeout",
     guarded=True,
-    window_name="stale_live_timeout",
+    setting="stale_live_timeout",
     param="stale",
 )
 
@@ -127,7 +133,7 @@ def bounds(settings: Settings, as_of: datetime, shortest: Shortest) -> dict[str,
 
 
 @dataclass
-class BatchOutcome:
+class BatchEffect:
     reaped: list[ConferenceReaped] = field(default_factory=list)
     # rows the database refuses (docs/design.md#names): left out for the cycle
     poison: list[ItemFailed] = field(default_factory=list)
@@ -151,8 +157,8 @@ class BatchOutcome:
         """A whole batch: there may be more to do."""
         return max(self.claimed, self.candidates) >= batch_size
 
-    def merge(self, other: BatchOutcome) -> BatchOutcome:
-        return BatchOutcome(
+    def merge(self, other: BatchEffect) -> BatchEffect:
+        return BatchEffect(
             reaped=self.reaped + other.reaped,
             poison=self.poison + other.poison,
             locked=self.locked + other.locked,
@@ -195,10 +201,10 @@ def reap_batch(
     excluded: list[str],
     only: list[str] | None = None,
     shortest: Shortest | None = None,
-) -> BatchOutcome:
+) -> BatchEffect:
     """One batch of ``phase`` (``only``: of these rows alone), fenced by the run:
     it changes nothing unless ``run_id`` is open and the backend ``holder_pid``
-    holds the run lock (``outcome.fenced`` then). ``shortest``: the shortest
+    holds the run lock (``effect.fenced`` then). ``shortest``: the shortest
     tenant windows (tenant_windows), read by the caller once per phase; read
     here, in the batch's transaction, when not given."""
     shortest = tenant_windows(queries) if shortest is None else shortest
@@ -227,17 +233,17 @@ def reap_batch(
             end_reason=phase.end_reason,
             topic=settings.conference_ended_topic,
         )
-    return outcome_of(rows, phase, run_id)
+    return effect_of(rows, phase, run_id)
 
 
-def outcome_of(rows: list[ResultRow], phase: Phase, run_id: str) -> BatchOutcome:
+def effect_of(rows: list[ResultRow], phase: Phase, run_id: str) -> BatchEffect:
     """What a phase statement's result rows say became of its batch."""
-    outcome = BatchOutcome()
+    effect = BatchEffect()
     # Unpacked in the statements' column order ("Result rows of a phase statement"
     # in sql/queries.sql): one step per row instead of a lookup per column.
     for kind, conference_id, chat_id, deal_id, duration, detail, tenant_id, lateness in rows:
         if kind == "reaped":
-            outcome.reaped.append(
+            effect.reaped.append(
                 ConferenceReaped(
                     run_id=run_id,
                     phase=phase.name,
@@ -252,7 +258,7 @@ def outcome_of(rows: list[ResultRow], phase: Phase, run_id: str) -> BatchOutcome
                 )
             )
             if detail is not None:
-                outcome.anomalies.append(
+                effect.anomalies.append(
                     ConferenceAnomaly(
                         run_id=run_id, phase=phase.name, conference_id=conference_id, problem=detail
                     )
@@ -261,13 +267,13 @@ def outcome_of(rows: list[ResultRow], phase: Phase, run_id: str) -> BatchOutcome
             poison = ItemFailed(
                 run_id=run_id, phase=phase.name, conference_id=conference_id, error=detail
             )
-            outcome.poison.append(poison)
+            effect.poison.append(poison)
         elif kind == "locked":
-            outcome.locked.append(conference_id)
+            effect.locked.append(conference_id)
         elif kind == "held":
-            outcome.held.append(conference_id)
+            effect.held.append(conference_id)
         elif kind == "fenced":
-            outcome.fenced = True
+            effect.fenced = True
         else:
-            outcome.stops.append(StopRequest(detail, conference_id, phase.end_reason))
-    return outcome
+            effect.stops.append(StopRequest(detail, conference_id, phase.end_reason))
+    return effect

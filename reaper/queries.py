@@ -385,8 +385,9 @@ class Queries:
             _run(self.conn, "claim_outbox_batch", batch_size=batch_size, holder_pid=holder_pid)
         )
 
-    def mark_outbox_published(self, ids: list[int]) -> int:
-        return _run(self.conn, "mark_outbox_published", ids=ids).rowcount
+    def acknowledge_outbox(self, ids: list[int]) -> int:
+        """Delete the acknowledged rows that are still pending; how many."""
+        return int(_run(self.conn, "acknowledge_outbox", ids=ids).scalar_one())
 
     def mark_outbox_failed(
         self,
@@ -421,12 +422,28 @@ class Queries:
         row = _run(self.conn, "outbox_pending_stats").one()
         return int(row.pending), float(row.oldest_age_seconds), int(row.parked)
 
+    def outbox_vacuum_stats(self) -> tuple[int, float | None]:
+        """``(dead row versions of the outbox, age in seconds of the oldest
+        transaction holding a snapshot: 0 none, None unknown)``."""
+        row = _run(self.conn, "outbox_vacuum_stats").one()
+        age = row.oldest_snapshot_age_seconds
+        return int(row.dead_rows), None if age is None else float(age)
+
     def parked_outbox(self, limit: int) -> list[ResultRow]:
         return list(_run(self.conn, "parked_outbox", limit=limit))
 
     def requeue_outbox(self, event_id: str | None) -> int:
         """Parked rows back to pending: one (by event id) or, with None, all."""
         return _run(self.conn, "requeue_outbox", event_id=event_id).rowcount
+
+    def discard_outbox(self, event_id: str, reason: str, operator: str) -> ResultRow:
+        """A parked row moved into messenger.outbox_discards; the kept row."""
+        return _run(
+            self.conn, "discard_outbox", event_id=event_id, reason=reason, operator=operator
+        ).one()
+
+    def outbox_discarded_count(self) -> int:
+        return int(_run(self.conn, "outbox_discarded_count").scalar_one())
 
     def delete_published_outbox(self, retention: timedelta, batch_size: int) -> int:
         deleted = _run(

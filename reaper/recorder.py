@@ -62,7 +62,8 @@ PARALLEL_CALLS = 64
 MAX_HEAD = 64 * 1024
 _STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: [^\r\n]*)?")
 
-Outcome = Literal["taken", "failed", "unsent"]
+# What became of one stop signal sent to the recorder.
+Delivery = Literal["taken", "failed", "unsent"]
 
 
 class BadAnswer(Exception):
@@ -83,7 +84,7 @@ class RecorderClient:
         self.clock = clock
         self._tls_context = ssl.create_default_context() if self.tls else None
 
-    def stop(self, request: StopRequest, not_after: float) -> Outcome:
+    def stop(self, request: StopRequest, not_after: float) -> Delivery:
         """One signal, within REAPER_RECORDER_TIMEOUT and never past ``not_after``
         (the pass's deadline, on ``clock``): ``unsent`` when the pass has no time
         left to start it; never raises."""
@@ -320,8 +321,8 @@ class StopPass:
                 requests = self._claim(lock, lease_s=deadline - self.clock() + self.timeout)
                 if not requests:
                     return
-                outcomes = list(pool.map(lambda r: client.stop(r, deadline), requests))
-                if not self._settle(result, lock, requests, outcomes):
+                deliveries = list(pool.map(lambda r: client.stop(r, deadline), requests))
+                if not self._settle(result, lock, requests, deliveries):
                     result.lock_lost = True
                     return
                 if len(requests) < self.CLAIM_LIMIT:
@@ -345,14 +346,14 @@ class StopPass:
         result: StopPassResult,
         lock: PassLock,
         requests: list[StopRequest],
-        outcomes: list[Outcome],
+        deliveries: list[Delivery],
     ) -> bool:
         """Count what was sent and mark it; False when the stop lock was gone at the
         marks (fenced: nothing marked, the claims' lease makes them due again).
         The calls themselves are counted either way: they were made."""
-        taken = [r for r, o in zip(requests, outcomes, strict=True) if o == "taken"]
-        failed = [r for r, o in zip(requests, outcomes, strict=True) if o == "failed"]
-        unsent = [r for r, o in zip(requests, outcomes, strict=True) if o == "unsent"]
+        taken = [r for r, o in zip(requests, deliveries, strict=True) if o == "taken"]
+        failed = [r for r, o in zip(requests, deliveries, strict=True) if o == "failed"]
+        unsent = [r for r, o in zip(requests, deliveries, strict=True) if o == "unsent"]
         sent = taken + failed
         result.requested += len(sent)
         result.taken += len(taken)

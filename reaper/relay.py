@@ -7,9 +7,13 @@ A pass is a pipeline of batches, each in its own transaction, in five steps:
 2. **send** the first round: the oldest row of every key, as one burst;
 3. **await** every acknowledgement of the round (``future.get`` per record),
    then send the next round (the next row of each acknowledged key);
-4. **mark** each row published after its own acknowledgement, back off each
-   row that failed, park each row Kafka refused for good; commit;
-5. after the last batch, **retention** deletes old published rows.
+4. **mark**: delete each row at its own acknowledgement
+   (``messenger.acknowledge_outbox``: a sent row leaves the outbox, no new row
+   version), back off each row that failed, park each row Kafka refused for
+   good; commit;
+5. after the last batch, **retention** deletes old published rows (the rows a
+   relay of release 0.3.0, running beside this one during a deploy, still
+   marks ``published_at`` instead of deleting).
 
 Batches follow each other until a claim finds nothing (a short batch is not
 the end: during an incident the pass follows the drain a batch behind), the
@@ -18,8 +22,11 @@ pass's time is spent, a stop is asked or Kafka is gone.
 While one batch is awaited and marked (on a closer thread), the next is
 claimed and sent; their keys never overlap, so a deal's events never overtake
 each other. Killed between the send and the mark, a batch's transaction rolls
-back and the next pass re-sends the same ``eventId`` (at least once;
-consumers dedupe by it). See docs/design.md#the-outbox-relay.
+back, its rows are still there, and the next pass re-sends the same
+``eventId`` (at least once; consumers dedupe by it). A row deleted is one whose
+own acknowledgement arrived, in a transaction that commits only behind the
+fence: so a deal's next event is claimed only once its earlier one is gone,
+which it is only once Kafka has it. See docs/design.md#the-outbox-relay.
 
 One pass runs at a time across all workers: it holds the relay lock as a phase
 holds the run lock (reaper/lease.py), on a lock session its heartbeat keeps
@@ -302,7 +309,9 @@ class Relay:
         try:
             with transaction(self.engine, budgets.quick(self.settings)) as queries:
                 stats = queries.outbox_pending_stats()
+                vacuum = queries.outbox_vacuum_stats()
             result.pending, result.oldest_pending_age_seconds, result.outbox_parked = stats
+            result.outbox_dead_rows, result.oldest_snapshot_age_seconds = vacuum
         except SQLAlchemyError as exc:
             self._database_failed(result, exc)
 
@@ -533,7 +542,7 @@ class RelayBatches:
 
     def _mark(self, queries: Queries, report: BatchReport) -> None:
         if report.published:
-            queries.mark_outbox_published(report.published)
+            queries.acknowledge_outbox(report.published)
         if report.refused:
             queries.mark_outbox_parked(report.refused)
         initial_s = self.settings.relay_backoff_initial.total_seconds()

@@ -38,9 +38,10 @@ import json
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import Connection, Engine, RootTransaction
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
@@ -50,6 +51,7 @@ from reaper.clock import rfc3339, utcnow
 from reaper.config import Settings
 from reaper.db import begin, transaction
 from reaper.errors import describe
+from reaper.events import CountKey, Counts, CycleResult
 from reaper.lease import Heartbeat
 from reaper.phases import PHASES
 from reaper.queries import Queries
@@ -59,11 +61,38 @@ AS_OF_TOLERANCE = timedelta(seconds=5)
 # Finished runs are kept this long (reaper status), then deleted at a run's end.
 KEEP_FINISHED = timedelta(days=1)
 
-COUNT_KEYS = (
+# The keys of events.Counts, in the result's order: each phase's, then these two.
+COUNT_KEYS: tuple[CountKey, ...] = (
     *(phase.count_key for phase in PHASES.values()),
     "skipped_locked_count",
     "failed_count",
 )
+
+
+def counts(values: Mapping[str, int]) -> Counts:
+    """The counts of a result from a run's (a key it lacks counts 0). COUNT_KEYS are
+    Counts' keys (tests/test_phases_model.py), which is what makes the cast true."""
+    return cast(Counts, {key: int(values.get(key, 0)) for key in COUNT_KEYS})
+
+
+def cycle_result(
+    run_id: str,
+    as_of: datetime,
+    *,
+    skipped: bool,
+    counted: Counts,
+    duration_ms: int,
+    paused: list[str],
+) -> CycleResult:
+    """A cycle's result (docs/design.md#tasks): built here alone."""
+    return {
+        "run_id": run_id,
+        "as_of": rfc3339(as_of),
+        "skipped": skipped,
+        **counted,
+        "duration_ms": duration_ms,
+        "paused": paused,
+    }
 
 
 class RunLockBusy(RuntimeError):
@@ -162,28 +191,23 @@ class Finished:
     duration_ms: int
     lost: bool  # taken over by another cycle before this end
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> CycleResult:
         """The task's result (docs/design.md#tasks)."""
-        return {
-            "run_id": self.run_id,
-            "as_of": rfc3339(self.as_of),
-            "skipped": False,
-            **self.counts,
-            "duration_ms": self.duration_ms,
-            "paused": list(self.paused),
-        }
+        return cycle_result(
+            self.run_id,
+            self.as_of,
+            skipped=False,
+            counted=counts(self.counts),
+            duration_ms=self.duration_ms,
+            paused=list(self.paused),
+        )
 
 
-def unowned_result(run_id: str, as_of: datetime, *, skipped: bool) -> dict[str, Any]:
+def unowned_result(run_id: str, as_of: datetime, *, skipped: bool) -> CycleResult:
     """The result of a cycle that changed nothing: skipped, or failed at its head."""
-    return {
-        "run_id": run_id,
-        "as_of": rfc3339(as_of),
-        "skipped": skipped,
-        **dict.fromkeys(COUNT_KEYS, 0),
-        "duration_ms": 0,
-        "paused": [],
-    }
+    return cycle_result(
+        run_id, as_of, skipped=skipped, counted=counts({}), duration_ms=0, paused=[]
+    )
 
 
 class RunLost(RuntimeError):

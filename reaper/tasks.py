@@ -21,14 +21,13 @@ from celery import Task, chain
 from reaper.celery_app import app
 from reaper.config import get_settings
 from reaper.cycle import Reaper
+from reaper.events import CycleResult, PhaseResult, RelayTaskResult
 from reaper.lifecycle import stopping
+from reaper.nudge import RELAY_EXPIRES
 from reaper.phases import ORDER, PHASES
 from reaper.recorder import StopPass
 from reaper.relay import Relay
 
-# A relay request nobody picked up within this is dropped: the beat tick and
-# the next cycle's request follow anyway.
-RELAY_EXPIRES = 30.0
 # Likewise a stop pass: the beat tick sends the signals it would have sent.
 STOPS_EXPIRES = 30.0
 
@@ -88,7 +87,7 @@ def reap_phase(
     run_id: str | None = None,
     of_run: str | None = None,
     cycle: str | None = None,
-) -> Any:
+) -> CycleResult | PhaseResult:
     """One phase. ``of_run`` (the run id a cycle's chain passes): that cycle's phase,
     which does nothing if the run is no longer the cycle's. Otherwise, by hand: a
     cycle of this phase alone (``as_of``, ``run_id`` as for ``reaper.reap``).
@@ -106,7 +105,7 @@ def reap_phase(
 
 
 @app.task(name="reaper.relay_outbox")
-def relay_outbox() -> dict[str, int]:
+def relay_outbox() -> RelayTaskResult:
     """Publish pending integration_outbox rows to Kafka (see :mod:`reaper.relay`)."""
     return get_relay().run().to_json()
 

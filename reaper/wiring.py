@@ -2,10 +2,13 @@
 
 The engine emits facts (:mod:`reaper.events`); here, once per process (the
 worker's processes, ``reaper`` commands), the subscribers are attached: JSON
-log lines, Prometheus, OpenTelemetry and the database gauges. Subscribers do
-no network I/O of their own: the recorder stop signals are the
-``reaper.stop_recordings`` task's (reaper/recorder.py), never a subscriber's,
-so a slow recorder never holds the thread that emits. Adding an effect after
+log lines, Prometheus, OpenTelemetry and the database gauges; in a worker,
+also the request for a relay pass after a batch that wrote events
+(:func:`request_relay_on_events`). Subscribers do no network I/O of their
+own: the recorder stop signals are the ``reaper.stop_recordings`` task's
+(reaper/recorder.py), never a subscriber's, so a slow recorder never holds
+the thread that emits; the relay request is sent from a thread of its own
+(reaper/nudge.py). Adding an effect after
 the commit means adding a line here, not touching the engine.
 """
 
@@ -13,13 +16,15 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 
 from sqlalchemy import Engine
 
 from reaper import census, eventlog, metrics, tracing
 from reaper.config import Settings
 from reaper.db import engine_of
-from reaper.events import Bus, CycleCompleted, process_bus
+from reaper.events import BatchSelected, Bus, CycleCompleted, process_bus
+from reaper.nudge import Nudge, RelayOnEvents
 
 _lock = threading.Lock()
 # The buses already wired. Weak, not by id(): a collected bus's id can be reused
@@ -39,6 +44,13 @@ def install(settings: Settings, bus: Bus = process_bus, *, engine: Engine | None
     tracing.subscribe(bus)
     bus.subscribe(CycleCompleted, Gauges(engine, settings, bus))
     return bus
+
+
+def request_relay_on_events(send: Callable[[], object], bus: Bus = process_bus) -> None:
+    """A worker's: after a batch that wrote conference-ended events, ``send`` a
+    request for a relay pass (at most one a second, from a thread of its own),
+    so an incident's events follow its closings instead of the next relay tick."""
+    bus.subscribe(BatchSelected, RelayOnEvents(Nudge(send)))
 
 
 def gauges(settings: Settings, bus: Bus = process_bus) -> Gauges:

@@ -162,10 +162,27 @@ WHERE finished_at IS NULL
    OR run_id = (SELECT run_id FROM messenger.reaper_runs
                 WHERE finished_at IS NOT NULL ORDER BY finished_at DESC LIMIT 1);
 
+-- fragment: empty_room_counted
+-- A phase's rooms written for a count (eligible_census says why), one fragment
+-- per phase (empty_room_counted, provision_timeout_counted, stale_live_counted):
+-- the range bound computed here, the policies joined (LEFT JOIN ... p ON
+-- p.tenant_id = s.tenant_id).
+s.status = 'Active' AND s.active_participant_count = 0
+AND s.last_activity_at <= greatest(CAST(:empty_cutoff AS timestamptz),
+        CAST(:as_of AS timestamptz)
+        - (SELECT min(q.empty_room_grace) FROM messenger.reaper_tenant_policies q))
+AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.empty_room_grace,
+                                   CAST(:empty_cutoff AS timestamptz))
+
+-- fragment: provision_timeout_counted
+s.status = 'Provisioning'
+AND s.created_at <= greatest(CAST(:provision_cutoff AS timestamptz),
+        CAST(:as_of AS timestamptz)
+        - (SELECT min(q.provision_timeout) FROM messenger.reaper_tenant_policies q))
+AND s.created_at <= coalesce(CAST(:as_of AS timestamptz) - p.provision_timeout,
+                             CAST(:provision_cutoff AS timestamptz))
+
 -- fragment: stale_live_counted
--- stale_live's rooms written for a count (eligible_census says why): the range
--- bound computed here, the policies joined (LEFT JOIN ... p ON p.tenant_id =
--- s.tenant_id).
 s.status = 'Active'
 AND s.last_activity_at <= greatest(CAST(:stale_cutoff AS timestamptz),
         CAST(:as_of AS timestamptz)
@@ -782,13 +799,15 @@ WHERE (SELECT 1
        LIMIT 1) IS NULL
 ORDER BY c.id;
 
--- name: mark_outbox_published
--- Only rows whose own Kafka acknowledgement arrived.
-UPDATE messenger.integration_outbox
-SET published_at = clock_timestamp(),
-    attempts = attempts + 1,
-    next_attempt_at = NULL
-WHERE id = ANY (CAST(:ids AS bigint[])) AND published_at IS NULL;
+-- name: acknowledge_outbox
+-- Only rows whose own Kafka acknowledgement arrived: deleted, in the batch's
+-- transaction, after its fence. A DELETE leaves one dead row version and no new
+-- index entry, where marking published_at (a column of the pending indexes'
+-- predicates, so never a HOT update) left a dead version and a new one with its
+-- index entries, which retention then deleted again. The worker's role has no
+-- DELETE on the table: the definer function (migration 0012) deletes only the
+-- named rows that are still pending, and says how many.
+SELECT messenger.acknowledge_outbox(CAST(:ids AS bigint[]));
 
 -- name: mark_outbox_failed
 -- Why, and an exponential back-off before the next try. :charged: the row's
@@ -830,6 +849,17 @@ SELECT count(*) FILTER (WHERE parked_at IS NULL) AS pending,
 FROM messenger.integration_outbox
 WHERE published_at IS NULL AND parked_at IS NULL;
 
+-- name: outbox_vacuum_stats
+-- messenger_outbox_dead_rows and messenger_outbox_oldest_snapshot_age_seconds:
+-- the outbox's dead row versions (as the statistics collector last counted
+-- them), and the age of the oldest transaction of this database that holds a
+-- snapshot, which keeps them however often vacuum runs (NULL: unknown, see
+-- migration 0012; 0: none).
+SELECT coalesce((SELECT s.n_dead_tup FROM pg_catalog.pg_stat_user_tables s
+                 WHERE s.relid = CAST('messenger.integration_outbox' AS regclass)), 0)
+           AS dead_rows,
+       messenger.oldest_snapshot_age_seconds() AS oldest_snapshot_age_seconds;
+
 -- name: parked_outbox
 -- reaper outbox parked: the rows the relay gave up on, oldest first.
 SELECT event_id::text AS event_id, message_key, topic, attempts, last_error, parked_at,
@@ -845,6 +875,19 @@ UPDATE messenger.integration_outbox
 SET parked_at = NULL, attempts = 0, next_attempt_at = NULL
 WHERE parked_at IS NOT NULL
   AND (CAST(:event_id AS uuid) IS NULL OR event_id = CAST(:event_id AS uuid));
+
+-- name: discard_outbox
+-- reaper outbox discard: a parked row out of the outbox, kept in
+-- messenger.outbox_discards with who, when and why (migration 0013). The
+-- definer function refuses a pending row and an unknown id; EXECUTE is the
+-- operator role's only.
+SELECT d.event_id::text AS event_id, d.topic, d.message_key, d.discarded_at, d.discarded_by,
+       d.discarded_login, d.reason
+FROM messenger.discard_outbox(CAST(:event_id AS uuid), :reason, :operator) d;
+
+-- name: outbox_discarded_count
+-- messenger_outbox_discarded: the events an operator took out of delivery.
+SELECT count(*) FROM messenger.outbox_discards;
 
 -- name: delete_published_outbox
 -- Retention, one small batch at a time: how many published rows older than
@@ -927,23 +970,17 @@ FROM (SELECT count(*) AS n,
                  CAST(:as_of AS timestamptz) - CAST(:empty_cutoff AS timestamptz))) AS since
       FROM messenger.conference_sessions s
       LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
-      WHERE s.status = 'Active' AND s.active_participant_count = 0
-        AND s.last_activity_at <= greatest(CAST(:empty_cutoff AS timestamptz),
-                CAST(:as_of AS timestamptz)
-                - (SELECT min(q.empty_room_grace) FROM messenger.reaper_tenant_policies q))
-        AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.empty_room_grace,
-                                           CAST(:empty_cutoff AS timestamptz))) e,
+      WHERE
+        -- include: empty_room_counted
+     ) e,
      (SELECT count(*) AS n,
              min(s.created_at + coalesce(p.provision_timeout,
                  CAST(:as_of AS timestamptz) - CAST(:provision_cutoff AS timestamptz))) AS since
       FROM messenger.conference_sessions s
       LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
-      WHERE s.status = 'Provisioning'
-        AND s.created_at <= greatest(CAST(:provision_cutoff AS timestamptz),
-                CAST(:as_of AS timestamptz)
-                - (SELECT min(q.provision_timeout) FROM messenger.reaper_tenant_policies q))
-        AND s.created_at <= coalesce(CAST(:as_of AS timestamptz) - p.provision_timeout,
-                                     CAST(:provision_cutoff AS timestamptz))) pr,
+      WHERE
+        -- include: provision_timeout_counted
+     ) pr,
      (SELECT count(*) AS n,
              min(s.last_activity_at + coalesce(p.stale_live_timeout,
                  CAST(:as_of AS timestamptz) - CAST(:stale_cutoff AS timestamptz))) AS since
