@@ -52,6 +52,7 @@ TABLES = (
     "messenger.reaper_runs",
     "messenger.realtime_outbox",
     "messenger.integration_outbox",
+    "messenger.outbox_discards",
     "messenger.call_recordings",
     "messenger.conference_participants",
     "messenger.conference_sessions",

@@ -1,5 +1,6 @@
 """bench/run.py in its tiny mode: it seeds its own database, runs every figure and
-prints its table. Only that the figures are there and sane is checked here:
+prints its table; its sustained mode prints every incident and every goal; the
+charts are PNG files. Only that the figures are there and sane is checked here:
 ratios and pass/fail are the bench's business, never a unit test's."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import pytest
 from sqlalchemy import create_engine, text
 
+from bench import charts
 from tests.conftest import PG_URL, ROOT, SESSION_TAG
 
 FIGURES = (
@@ -43,6 +45,8 @@ def test_bench_tiny_prints_every_figure(tmp_path, database_url):
             name,
             "--json",
             str(report),
+            "--charts",
+            str(tmp_path / "charts"),
         ],
         cwd=ROOT,
         env=env,
@@ -84,6 +88,7 @@ def test_bench_tiny_prints_every_figure(tmp_path, database_url):
     rss = next(r for f, r in rows.items() if f.startswith("worker RSS"))
     assert 10 < rss["baseline"] <= rss["reaper"] < 4096  # MiB
     assert raw["e2e"]["rooms"] == 20 and 0 <= raw["e2e"]["median_s"] <= raw["e2e"]["max_s"]
+    assert charts.is_png(tmp_path / "charts" / "incident.png")
 
     # its own database, gone afterwards; never the tests' one
     admin = create_engine(f"{PG_URL}/postgres")
@@ -94,3 +99,89 @@ def test_bench_tiny_prints_every_figure(tmp_path, database_url):
     admin.dispose()
     assert left == 0
     assert database_url.rsplit("/", 1)[1] != name
+
+
+def databases_named(name):
+    admin = create_engine(f"{PG_URL}/postgres")
+    with admin.connect() as conn:
+        found = conn.execute(
+            text("SELECT count(*) FROM pg_database WHERE datname LIKE :n"), {"n": f"{name}%"}
+        ).scalar()
+    admin.dispose()
+    return found
+
+
+@pytest.mark.process
+def test_bench_sustained_prints_every_incident_and_goal(tmp_path, database_url):
+    name = f"reaper_bench_smoke_sus_{SESSION_TAG}"
+    report = tmp_path / "sustained.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/run.py",
+            "--sustained",
+            "--rooms",
+            "100",
+            "--drop",
+            "--database",
+            name,
+            "--json",
+            str(report),
+            "--charts",
+            str(tmp_path / "charts"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "REAPER_BENCH_PG": PG_URL},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "9 incidents of 100 rooms through one outbox (cluster autovacuum: " in out
+    rows = [line.split("|") for line in out.splitlines() if line[:1].isdigit() and "|" in line]
+    assert [int(r[0]) for r in rows] == list(range(1, 10))
+    assert [r[1].strip() for r in rows] == ["-"] * 6 + ["held"] * 3
+    goals = [line for line in out.splitlines() if line.startswith("GOAL ")]
+    expected = [
+        "GOAL incident 6's relay rate >= 0.9x the first's: ",
+        "GOAL incident 7 (held snapshot)'s relay rate >= 0.7x the first's: ",
+        "GOAL incident 8 (held snapshot)'s relay rate >= 0.7x the first's: ",
+        "GOAL incident 9 (held snapshot)'s relay rate >= 0.7x the first's: ",
+        "GOAL outbox after 6 incidents <= 369 MiB at 50,000 rooms an incident",
+    ]
+    assert len(goals) == len(expected), out
+    for goal, start in zip(goals, expected, strict=True):
+        assert goal.startswith(start) and goal.endswith((" PASS", " FAIL")), goal
+
+    result = json.loads(report.read_text())
+    incidents = result["incidents"]
+    assert [i["held_snapshot"] for i in incidents] == [False] * 6 + [True] * 3
+    events = incidents[0]["events"]
+    assert events > 0 and all(i["events"] == events and i["rows_left"] == 0 for i in incidents)
+    assert all(i["relay_per_s"] > 0 and i["outbox_bytes"] > 0 for i in incidents)
+    # the last incident's deleted rows stay dead versions: the held snapshot keeps
+    # them from any vacuum or pruning
+    assert incidents[-1]["dead_tuples"] >= events
+    assert charts.is_png(tmp_path / "charts" / "sustained.png")
+    assert databases_named(name) == 0
+    assert database_url.rsplit("/", 1)[1] != name
+
+
+def test_charts_are_written_as_png_files(tmp_path):
+    incident = charts.incident_chart(
+        tmp_path / "incident.png",
+        closings=[100.0, 100.0, 100.5, 101.0],
+        on_kafka=[100.2, 100.7, 101.1, 101.2],
+        title="incident",
+    )
+    sustained = charts.sustained_chart(
+        tmp_path / "sustained.png", [900.0, 950.0, 700.0], [False, False, True], "sustained"
+    )
+    for path in (incident, sustained):
+        assert path.stat().st_size > 1000
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert charts.is_png(path)
+    not_png = tmp_path / "not.png"
+    not_png.write_text("a text file")
+    assert not charts.is_png(not_png)

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy import Engine, create_engine, event, make_url, text
 
 from reaper.cycle import Reaper
 from reaper.overview import plan
+from reaper.queries import Queries
 from reaper.release import SCHEMA_KNOWN, SCHEMA_NEEDED, version
 from tests.support import factory as f
 from tests.support.factory import T0
@@ -196,7 +197,12 @@ def test_plan_and_status_commands_print_text_and_json(engine):
     assert status["active_backlog"] == sum(p["eligible"] for p in status["phases"].values())
     assert status["phases"]["provision_timeout"]["eligible"] == 3
     assert status["phases"]["provision_timeout"]["oldest_overdue_seconds"] > 0
-    assert status["outbox"] == {"pending": 0, "oldest_pending_age_seconds": 0.0, "parked": 0}
+    assert status["outbox"] == {
+        "pending": 0,
+        "oldest_pending_age_seconds": 0.0,
+        "parked": 0,
+        "discarded": 0,
+    }
     assert status["lock"] == {"held": False, "holder_pid": None}
 
 
@@ -259,3 +265,46 @@ def test_status_reads_with_the_configured_settings(engine):
     assert default["phases"]["empty_room"]["eligible"] == 0
     assert short["phases"]["empty_room"]["eligible"] == 1
     assert short["phases"]["empty_room"]["window_seconds"] == 10
+
+
+@pytest.mark.process
+def test_sql_prints_what_the_query_class_sends(engine):
+    """``reaper sql NAME``: the statement as it reaches the driver's cursor on a real
+    connection (includes expanded, parameters in the driver's style), and its
+    parameters' names."""
+    sent: list[str] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(statement)
+
+    at = datetime.now(UTC)
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        with engine.begin() as conn:
+            queries = Queries(conn)
+            sent.clear()
+            queries.eligible_census(as_of=at, empty_cutoff=at, provision_cutoff=at, stale_cutoff=at)
+            queries.stale_live_eligible(as_of=at, cutoff=at, excluded=[])
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    census, stale = sent
+    expected = {
+        "eligible_census": (census, "as_of, empty_cutoff, provision_cutoff, stale_cutoff"),
+        "stale_live_eligible": (stale, "stale_cutoff, as_of, excluded"),
+    }
+    for name, (statement, parameters) in expected.items():
+        done = cli("sql", name)
+        assert done.returncode == 0, done.stderr
+        header, _, printed = done.stdout.partition("\n")
+        assert header == f"-- {name}: parameters {parameters}"
+        assert printed == statement + "\n"  # print()'s newline
+        assert "-- include:" not in printed and "%(as_of)s" in printed
+
+
+@pytest.mark.process
+def test_sql_of_an_unknown_name_lists_the_names():
+    done = cli("sql", "no_such_statement")
+    assert done.returncode == 2 and done.stdout == ""
+    first, *names = done.stderr.splitlines()
+    assert first == "reaper sql: no statement 'no_such_statement'; the names:"
+    assert "  eligible_census" in names and "  end_active_batch[empty_room]" in names

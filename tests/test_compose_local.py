@@ -373,17 +373,17 @@ def status(engine: Engine, conference_id: str) -> str:
 
 
 def published(engine: Engine, conference_id: str) -> bool:
+    """The room ended and its event's row gone: the row is written in the
+    transaction that ends the room, and deleted at its own Kafka acknowledgement."""
     with engine.connect() as conn:
-        return bool(
-            conn.execute(
-                text(
-                    "SELECT count(*) FROM messenger.integration_outbox"
-                    " WHERE payload -> 'payload' ->> 'conferenceId' = :i"
-                    " AND published_at IS NOT NULL"
-                ),
-                {"i": conference_id},
-            ).scalar()
-        )
+        left = conn.execute(
+            text(
+                "SELECT count(*) FROM messenger.integration_outbox"
+                " WHERE payload -> 'payload' ->> 'conferenceId' = :i"
+            ),
+            {"i": conference_id},
+        ).scalar()
+    return status(engine, conference_id) == "Ended" and left == 0
 
 
 def get(port: int, path: str, auth: str | None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from types import SimpleNamespace
+from typing import get_args
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
@@ -19,14 +20,19 @@ from reaper.cycle import Cycle, Reaper, is_poison_error, phase_result
 from reaper.errors import sqlstate
 from reaper.events import (
     Bus,
+    CountKey,
+    Counts,
     CycleCompleted,
+    CycleResult,
     CycleSkipped,
     CycleStarted,
     PhaseCompleted,
+    PhaseCountKey,
     PhaseFailed,
+    PhaseResult,
 )
-from reaper.phases import ORDER
-from reaper.runs import COUNT_KEYS, Start
+from reaper.phases import ORDER, PHASES
+from reaper.runs import COUNT_KEYS, Start, unowned_result
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import FactRecorder, SteppingClock, log_events
@@ -115,6 +121,34 @@ def test_a_phase_result_without_a_run_is_skipped_and_counts_nothing() -> None:
     result = phase_result("r", None, {}, {})
     assert result["skipped"] is True and result["as_of"] is None
     assert all(result[key] == 0 for key in COUNT_KEYS)
+
+
+def test_the_counts_of_a_result_are_the_typed_ones_in_the_results_order() -> None:
+    """COUNT_KEYS (each phase's count_key, then the two of the cycle) are the keys
+    of events.Counts and of CountKey: runs.counts casts to Counts on that ground."""
+    assert set(COUNT_KEYS) == Counts.__required_keys__
+    assert get_args(CountKey) == COUNT_KEYS
+    assert tuple(p.count_key for p in PHASES.values()) == get_args(PhaseCountKey)
+
+
+def test_the_results_are_built_with_the_keys_their_types_give() -> None:
+    cycle = unowned_result("r", T0, skipped=True)
+    phase = phase_result("r", None, {}, {})
+    assert set(cycle) == CycleResult.__required_keys__
+    assert set(phase) == PhaseResult.__required_keys__
+    # the order of the task's result and of cycle.completed's fields (docs/design.md#tasks)
+    assert list(cycle) == ["run_id", "as_of", "skipped", *COUNT_KEYS, "duration_ms", "paused"]
+    assert list(phase) == ["run_id", "as_of", "skipped", *COUNT_KEYS, "paused"]
+
+
+def test_a_phase_names_its_setting_label_and_count_once() -> None:
+    """Every other spelling of a phase derives from its Phase (docs/design.md#glossary)."""
+    for phase in PHASES.values():
+        assert phase.setting in Settings.model_fields, phase
+        assert isinstance(phase.window(Settings()), timedelta)
+    for attribute in ("name", "label", "count_key", "setting", "param"):
+        values = [getattr(p, attribute) for p in PHASES.values()]
+        assert len(set(values)) == len(values), attribute
 
 
 # -- a cycle against the session database ----------------------------------------

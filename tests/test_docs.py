@@ -3,8 +3,9 @@
 Its configuration table is held against :class:`reaper.config.Settings` (every
 variable once, each default as the environment would give it), and its table
 of log events against the events the sources can emit: every call of
-:func:`reaper.logs.log` under ``reaper/``, read with :mod:`ast`. A setting or an
-event added without a row here fails, and so does a row left for one removed.
+:func:`reaper.logs.log` under ``reaper/``, read with :mod:`ast`, and every fact
+declared with ``@logged`` (``reaper.events.LOGGED``). A setting or an event
+added without a row here fails, and so does a row left for one removed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from reaper.config import ENV_PREFIX, Settings
+from reaper.events import LOGGED
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
@@ -147,25 +149,43 @@ def variants(name: ast.expr | None, level: ast.expr | None) -> list[tuple[str, s
     return []
 
 
+# The one call whose name is not written out: eventlog.writer, which logs the
+# facts declared with @logged under the name each declares (read below).
+DECLARED_WRITER = ("reaper/eventlog.py", "declared.event")
+
+
 def emitted_events() -> dict[str, set[str] | None]:
     """Event name -> the levels it is logged at (None: computed), from every call of
-    reaper.logs.log under reaper/. A name that is not written out fails here: the
-    names are an interface, and a reader (or this test) must be able to find them."""
+    reaper.logs.log under reaper/ and every fact declared with @logged. A name
+    that is not written out (in a call or a declaration) fails here: the names
+    are an interface, and a reader (or this test) must be able to find them."""
     events: dict[str, set[str] | None] = {}
     unreadable: list[str] = []
+
+    def add(name: str, levels: set[str] | None) -> None:
+        known = events.get(name, set())
+        events[name] = None if levels is None or known is None else known | levels
+
+    writers = 0
     for path in sorted(SOURCES.rglob("*.py")):
+        where = str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not (isinstance(node, ast.Call) and is_log_call(node)):
                 continue
             keywords = {k.arg: k.value for k in node.keywords}
             argument = node.args[1] if len(node.args) > 1 else keywords.get("event")
+            if argument is not None and (where, ast.unparse(argument)) == DECLARED_WRITER:
+                writers += 1
+                continue
             logged = variants(argument, keywords.get("level"))
             if not logged:
-                unreadable.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                unreadable.append(f"{where}:{node.lineno}")
             for name, levels in logged:
-                known = events.get(name, set())
-                events[name] = None if levels is None or known is None else known | levels
+                add(name, levels)
     assert not unreadable, f"log calls whose event name is not a string literal: {unreadable}"
+    assert writers == 1, f"{DECLARED_WRITER}: expected the one writer of declared facts"
+    for declared in LOGGED.values():
+        add(declared.event, {logging.getLevelName(declared.level)})
     return events
 
 
@@ -184,6 +204,20 @@ def test_every_log_event_is_documented_and_nothing_else():
     emitted = set(emitted_events())
     documented = set(documented_events())
     assert documented == emitted, difference("The log events", documented, emitted)
+
+
+def test_every_declared_fact_is_documented_with_its_fields():
+    """A fact declared with @logged is in the table, at its level, and its row
+    names every field it logs."""
+    rows = {cells[0].strip("`"): " ".join(cells[1:]) for cells in table("Log events")}
+    wrong = {}
+    for fact_type, declared in LOGGED.items():
+        row = rows.get(declared.event, "")
+        named = set(re.findall(r"`([a-z_]+)`", row))
+        missing = [name for name in declared.fields if name not in named]
+        if not row or missing:
+            wrong[fact_type.__name__] = (declared.event, row or "no row", missing)
+    assert not wrong, f"fact: (event, documented, fields missing from its row): {wrong}"
 
 
 def test_every_log_event_is_documented_at_its_levels():

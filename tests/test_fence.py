@@ -57,8 +57,8 @@ def test_a_batch_whose_phase_holds_the_lock_closes_its_rooms(settings, engine):
     with engine.begin() as conn:
         conn.execute(text(LOCK))
         pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        outcome = batch(conn, settings, run_id, pid)
-    assert not outcome.fenced and len(outcome.reaped) == 3
+        effect = batch(conn, settings, run_id, pid)
+    assert not effect.fenced and len(effect.reaped) == 3
     assert ended(engine) == 3
 
 
@@ -69,8 +69,8 @@ def test_a_batch_without_the_lock_changes_nothing(settings, engine):
     run_id = open_run(engine, settings)
     with engine.begin() as conn:
         pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        outcome = batch(conn, settings, run_id, pid)
-    assert outcome.fenced and outcome.reaped == [] and outcome.locked == []
+        effect = batch(conn, settings, run_id, pid)
+    assert effect.fenced and effect.reaped == [] and effect.locked == []
     with engine.begin() as conn, engine.begin() as other:
         other.execute(text(LOCK))  # held, but by another backend
         stranger = other.execute(text("SELECT pg_backend_pid()")).scalar_one()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from reaper.metrics import HEALTH_THREADS, MAX_GATHERING, METRICS_THREADS, REQUEST_TIMEOUT_S
+from reaper.endpoint import HEALTH_THREADS, MAX_GATHERING, METRICS_THREADS, REQUEST_TIMEOUT_S
 from tests.support.ports import free_port
 from tests.support.processes import Worker, wait_until
 

@@ -23,7 +23,7 @@ from celery.signals import (
 # The app and its tasks, as a worker loads them: every handler is connected.
 import reaper.celery_app
 import reaper.tasks  # noqa: F401
-from reaper import db, kafka, lifecycle, logs, metrics, tracing
+from reaper import db, endpoint, kafka, lifecycle, logs, multiproc, tracing, wiring
 from reaper.config import Settings
 
 SIGNALS = (
@@ -60,6 +60,18 @@ class Pool:
     pool_cls = "celery.concurrency.solo:TaskPool"
 
 
+class App:
+    def send_task(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the relay request is recorded here, never sent")
+
+
+class PreforkPool:
+    """A prefork worker as the sender of worker_init: its pool and its app."""
+
+    pool_cls = "celery.concurrency.prefork:TaskPool"
+    app = App()
+
+
 def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
     monkeypatch: pytest.MonkeyPatch, database_url: str
 ) -> None:
@@ -78,7 +90,7 @@ def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
         steps.append("stopping")
         return real_stopping()
 
-    server = metrics.Server(port=1, close=record("server.close"))
+    server = endpoint.Server(port=1, close=record("server.close"))
     settings = Settings(database_url=database_url, metrics_port=9808, recorder_url=None)
     monkeypatch.setattr(lifecycle, "get_settings", lambda: settings)
     monkeypatch.setattr(lifecycle, "stopping", stopping)
@@ -87,15 +99,16 @@ def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
     monkeypatch.setattr(lifecycle, "_schema_checked", False)
     monkeypatch.setattr(logs, "configure", record("logs.configure"))
     monkeypatch.setattr(logs, "log", lambda _logger, event, **_: steps.append(f"log {event}"))
-    monkeypatch.setattr(metrics, "enable_multiprocess", record("metrics.enable_multiprocess"))
-    monkeypatch.setattr(metrics, "multiprocess_dir", lambda: "/metrics-dir")
-    monkeypatch.setattr(metrics, "serve", record("metrics.serve", server))
-    monkeypatch.setattr(metrics, "child_exited", record("metrics.child_exited"))
+    monkeypatch.setattr(multiproc, "enable_multiprocess", record("multiproc.enable_multiprocess"))
+    monkeypatch.setattr(multiproc, "multiprocess_dir", lambda: "/metrics-dir")
+    monkeypatch.setattr(endpoint, "serve", record("endpoint.serve", server))
+    monkeypatch.setattr(multiproc, "child_exited", record("multiproc.child_exited"))
     monkeypatch.setattr(tracing, "enabled", lambda: False)
     monkeypatch.setattr(tracing, "configure", record("tracing.configure"))
     monkeypatch.setattr(tracing, "shutdown", record("tracing.shutdown"))
     monkeypatch.setattr(db, "dispose_engines", record("db.dispose_engines"))
     monkeypatch.setattr(kafka, "close_producer", record("kafka.close_producer"))
+    monkeypatch.setattr(wiring, "request_relay_on_events", record("wiring.request_relay_on_events"))
 
     def during(signal: Any, **named: Any) -> list[str]:
         steps.clear()
@@ -108,14 +121,24 @@ def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
         "db.dispose_engines",  # its connection is not handed to the children
         "log schema.checked",
         "stopping",  # created before the pool forks, so the children share it
-        "metrics.enable_multiprocess",
+        "multiproc.enable_multiprocess",
         "tracing.configure",  # a solo pool runs tasks in the main process
+        "log recorder.disabled",
+    ]
+    assert during(worker_init, sender=PreforkPool()) == [
+        "logs.configure",
+        "db.dispose_engines",
+        "log schema.checked",
+        "stopping",
+        "multiproc.enable_multiprocess",
+        # before the fork: every pool child's drains ask for relay passes
+        "wiring.request_relay_on_events",
         "log recorder.disabled",
     ]
     assert during(beat_init) == []  # an embedded beat: checked with its worker
     monkeypatch.setattr(lifecycle, "_schema_checked", False)  # `celery beat` on its own
     assert during(beat_init) == ["logs.configure", "db.dispose_engines", "log schema.checked"]
-    assert during(worker_ready) == ["metrics.serve"]
+    assert during(worker_ready) == ["endpoint.serve"]
     assert during(worker_process_init) == ["db.dispose_engines", "tracing.configure"]
     assert during(worker_shutting_down, sig="SIGTERM", how="Warm") == [
         "stopping",
@@ -125,7 +148,7 @@ def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
     assert during(worker_process_shutdown, pid=os.getpid()) == [
         "kafka.close_producer",
         "tracing.shutdown",
-        "metrics.child_exited",
+        "multiproc.child_exited",
     ]
     assert during(worker_shutdown) == [
         "kafka.close_producer",

@@ -7,10 +7,12 @@ import json
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from reaper import eventlog, events
 from reaper.logs import JsonFormatter, get_logger, log
 from tests.support.facts import fields, log_records
 
@@ -124,3 +126,75 @@ def test_a_disabled_level_builds_no_record(caplog: pytest.LogCaptureFixture) -> 
     with caplog.at_level(logging.WARNING, logger="reaper"):
         log(get_logger("cycle"), "conference.reaped", conference_id="c1")
     assert not log_records(caplog, "conference.reaped")
+
+
+# -- facts declared with @logged -----------------------------------------------
+
+WHEN = datetime(2026, 12, 6, 3, 0, 0, 123456, tzinfo=UTC)
+
+# One of each fact declared with @logged: a fact declared without one here fails
+# the test below, so each declaration is held to the line it writes.
+DECLARED_SAMPLES: tuple[object, ...] = (
+    events.CycleSkipped(run_id="r1", reason="held", holder_pid=7, owner_run_id="r0"),
+    events.ConferenceReaped(
+        run_id="r1",
+        phase="empty_room",
+        conference_id="c1",
+        chat_id="ch1",
+        deal_id="d1",
+        tenant_id="t1",
+        status="Ended",
+        end_reason="EmptyTimeout",
+        duration_seconds=42,
+        lateness_seconds=1.5,
+    ),
+    events.ItemFailed(run_id="r1", phase="stale_live", conference_id="c2", error="refused"),
+    events.ConferenceAnomaly(run_id="r1", phase="stale_live", conference_id="c3", problem="p"),
+    events.LockLost(run_id="r1", phase="empty_room", error="gone"),
+    events.ControlResumed(phase="empty_room", reason="why", resumed_by="ops"),
+    events.OutboxRequeued(count=2, event_id="e1", requeued_by="ops"),
+    events.OutboxDiscarded(
+        event_id="e2",
+        message_key="deal-1",
+        topic="conf.ended",
+        reason="refused for good",
+        discarded_by="ops",
+        discarded_login="reaper_operator",
+    ),
+    events.RelayKafkaUnavailable(bootstrap_servers="k:9092", error="down", rows=4, cause="tls"),
+    events.RelayDbFailed(error="db"),
+    events.RelayCloseFailed(error="close"),
+    events.RelayRetentionDeleted(count=5, cutoff=WHEN),
+)
+
+
+def test_every_declared_fact_has_a_sample_here() -> None:
+    assert {type(f) for f in DECLARED_SAMPLES} == set(events.LOGGED)
+
+
+@pytest.mark.parametrize("fact", DECLARED_SAMPLES, ids=lambda f: type(f).__name__)
+def test_a_declared_fact_logs_its_declared_event_level_logger_and_fields(
+    fact: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    declared = events.LOGGED[type(fact)]
+    bus = events.Bus()
+    eventlog.subscribe(bus)
+    with caplog.at_level(logging.DEBUG, logger="reaper"):
+        bus.emit(fact)
+    [record] = [r for r in caplog.records if getattr(r, "event", None)]
+    assert (record.name, record.event, record.levelno) == (  # type: ignore[attr-defined]
+        f"reaper.{declared.logger}",
+        declared.event,
+        declared.level,
+    )
+    # every declared field, in the declared order, as the fact holds it
+    assert list(fields(record).items()) == [(name, getattr(fact, name)) for name in declared.fields]
+
+
+def test_a_declaration_naming_no_field_of_its_fact_is_refused() -> None:
+    with pytest.raises(TypeError, match="no field 'nope'"):
+
+        @events.logged("x.y", fields=("nope",), logger="cycle")
+        @dataclass(frozen=True)
+        class Fact:
+            run_id: str

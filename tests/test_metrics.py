@@ -19,7 +19,7 @@ from sqlalchemy import Connection, create_engine, text
 
 from reaper import metrics
 from reaper.cycle import Reaper
-from reaper.events import RelayBatchCommitted, process_bus
+from reaper.events import PhaseCompleted, PhaseFailed, RelayBatchCommitted, process_bus
 from reaper.wiring import Gauges
 from tests.support import factory as f
 from tests.support.factory import T0
@@ -340,8 +340,9 @@ directory = Path({str(tmp_path)!r})
 (directory / "counter_424242.db").write_bytes(b"stale")
 from prometheus_client import values
 chosen_at_import = values.ValueClass
-from reaper import metrics
-assert metrics.enable_multiprocess(str(directory)) == str(directory)
+from reaper import metrics, multiproc
+from tests.support.metrics import exposition
+assert multiproc.enable_multiprocess(str(directory)) == str(directory)
 assert not (directory / "counter_424242.db").exists()
 assert values.ValueClass is not values.MutexValue
 assert (values.ValueClass is chosen_at_import) == {documented}
@@ -356,12 +357,12 @@ if child == 0:
     os._exit(0)
 os.waitpid(child, 0)
 assert (directory / f"gauge_livesum_{{child}}.db").exists()
-body = metrics.exposition().decode()
+body = exposition().decode()
 assert "messenger_outbox_relay_published_total 7.0" in body, body
-metrics._sweep_dead_children()  # the child died without saying so
+multiproc._sweep_dead_children()  # the child died without saying so
 assert not (directory / f"gauge_livesum_{{child}}.db").exists()
 assert (directory / f"counter_{{child}}.db").exists()  # its counts stay
-assert "messenger_outbox_relay_published_total 7.0" in metrics.exposition().decode()
+assert "messenger_outbox_relay_published_total 7.0" in exposition().decode()
 print("ok")
 """
     run_script(script, tmp_path, env_dir=documented)
@@ -372,8 +373,8 @@ def test_other_processes_never_use_the_workers_directory(tmp_path):
     """Flower (or anything not the worker) that inherited the directory keeps out of it."""
     script = f"""
 import os
-from reaper import metrics
-metrics.keep_out_of_multiprocess()
+from reaper import metrics, multiproc
+multiproc.keep_out_of_multiprocess()
 assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
 {PUBLISH}
 published(1)
@@ -383,3 +384,20 @@ print("ok")
 """
     run_script(script, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+LAST_CYCLE = "messenger_conf_reaper_last_cycle_timestamp_seconds"
+
+
+def test_a_phase_finished_on_this_worker_moves_its_last_cycle_gauge(settings):
+    """Replicas share the queue, so a phase is as much this worker's share of a
+    cycle as the cycle's end; a failed phase is not."""
+    bus = wired_bus(settings)
+    failed = PhaseFailed(run_id="r", phase="empty_room", error="e", started_ns=0, ended_ns=0)
+    before = value(LAST_CYCLE)
+    time.sleep(0.01)
+    bus.emit(failed)
+    assert value(LAST_CYCLE) == before
+    emitted_at = time.time()
+    bus.emit(PhaseCompleted(run_id="r", phase="empty_room", started_ns=0, ended_ns=0))
+    assert before < emitted_at <= value(LAST_CYCLE) <= time.time()

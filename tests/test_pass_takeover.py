@@ -56,13 +56,19 @@ COMMITS = """
 CREATE TABLE messenger.test_commits (tbl text, id text, port integer, at timestamptz);
 CREATE FUNCTION messenger.test_commit() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO messenger.test_commits
-    VALUES (TG_TABLE_NAME, NEW.id::text, inet_client_port(), clock_timestamp());
+    IF TG_OP = 'DELETE' THEN
+        INSERT INTO messenger.test_commits
+        VALUES (TG_TABLE_NAME, OLD.id::text, inet_client_port(), clock_timestamp());
+    ELSE
+        INSERT INTO messenger.test_commits
+        VALUES (TG_TABLE_NAME, NEW.id::text, inet_client_port(), clock_timestamp());
+    END IF;
     RETURN NULL;
 END $$;
-CREATE CONSTRAINT TRIGGER test_commit AFTER UPDATE ON messenger.integration_outbox
+-- a pending row deleted: the relay's mark of a row Kafka acknowledged
+CREATE CONSTRAINT TRIGGER test_commit AFTER DELETE ON messenger.integration_outbox
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
-    WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL)
+    WHEN (OLD.published_at IS NULL)
     EXECUTE FUNCTION messenger.test_commit();
 CREATE CONSTRAINT TRIGGER test_commit AFTER UPDATE ON messenger.call_recordings
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
@@ -271,6 +277,12 @@ def relay_hit_mid_pass(
     topic = f"takeover.{fault}.{uuid.uuid4().hex[:8]}"
     create_topic(kafka_broker, topic)
     seed_outbox(engine, topic)
+    with engine.connect() as conn:  # the relay deletes each row at its acknowledgement
+        ids = set(
+            conn.execute(text("SELECT event_id::text FROM messenger.integration_outbox"))
+            .scalars()
+            .all()
+        )
     proxy = Proxy("127.0.0.1", make_url(database_url).port or 5432, name=f"relay-{fault}")
     proxy.start()
     hit = None
@@ -325,11 +337,9 @@ def relay_hit_mid_pass(
         )
         records = read_topic(kafka_broker, topic, expect=BACKLOG, timeout=60)
         with engine.connect() as conn:
-            ids = set(
-                conn.execute(text("SELECT event_id::text FROM messenger.integration_outbox"))
-                .scalars()
-                .all()
-            )
+            left = conn.execute(text("SELECT count(*) FROM messenger.integration_outbox"))
+            assert left.scalar_one() == 0, "every row gone at its acknowledgement"
+        assert len(ids) == BACKLOG
         assert {r.event_id for r in records} == ids, "every event on Kafka"
         assert in_order_per_deal(records)
         print(f"[waited {time.monotonic() - started:.1f}s in all]")

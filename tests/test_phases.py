@@ -14,13 +14,13 @@ from reaper import budgets
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.db import transaction
-from reaper.events import BatchSelected, Bus
+from reaper.events import BatchSelected, Bus, CycleResult
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import log_events, log_records
 
 
-def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> dict:
+def reap(settings: Settings, engine: Engine, as_of=T0, **kwargs) -> CycleResult:
     return Reaper(settings, engine=engine, **kwargs).run_cycle(as_of)
 
 

@@ -21,7 +21,7 @@ from reaper.clock import human
 from reaper.config import Settings
 from reaper.control import OPTIONS, STALE_LIVE_FLOOR, Controls, PolicyRefused, floors
 from reaper.cycle import Reaper
-from reaper.events import ConferenceReaped, PhaseMassClosure, process_bus
+from reaper.events import ConferenceReaped, CycleResult, PhaseMassClosure, process_bus
 from reaper.overview import plan, status
 from reaper.wiring import Gauges
 from tests.support import factory as f
@@ -63,7 +63,7 @@ def assert_lateness(
     assert low - 0.001 <= fact.lateness_seconds <= high + 0.001, (fact, low, high)
 
 
-def cycle(settings: Settings, engine: Engine, as_of: datetime) -> tuple[dict, tuple]:
+def cycle(settings: Settings, engine: Engine, as_of: datetime) -> tuple[CycleResult, tuple]:
     before = f.db_now(engine)
     result = Reaper(settings, engine=engine).run_cycle(as_of)
     return result, (before, f.db_now(engine))

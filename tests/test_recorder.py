@@ -24,6 +24,7 @@ from sqlalchemy import Engine, text
 from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
+from reaper.events import CycleResult
 from reaper.recorder import StopPass
 from tests.conftest import BIN, ROOT
 from tests.support import factory as f
@@ -88,7 +89,7 @@ def recorder() -> Iterator[Recorder]:
     server.server_close()
 
 
-def reap(settings: Settings, engine: Engine, as_of=T0) -> dict:
+def reap(settings: Settings, engine: Engine, as_of=T0) -> CycleResult:
     """A cycle, then a stop pass, in a process configured by ``settings`` (its
     recorder URL above all), as ``reaper reap --once`` runs them."""
     bus = wired_bus(settings, engine)

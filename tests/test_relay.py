@@ -28,7 +28,7 @@ from sqlalchemy import Engine, text
 from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from reaper.events import Bus, RelayBatchCommitted, process_bus
+from reaper.events import Bus, CycleResult, RelayBatchCommitted, process_bus
 from reaper.kafka import ProducerSlot, Unavailable, producer_config
 from reaper.lease import PassLock
 from reaper.queries import Queries
@@ -94,7 +94,7 @@ def make_relay(settings: Settings, engine: Engine, producers: Producers, **kwarg
     return Relay(settings, engine=engine, producers=producers.slot(settings), **kwargs)
 
 
-def reap(settings: Settings, engine: Engine, as_of: datetime = T0) -> dict:
+def reap(settings: Settings, engine: Engine, as_of: datetime = T0) -> CycleResult:
     return Reaper(settings, engine=engine).run_cycle(as_of)
 
 
@@ -140,6 +140,7 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
     assert cycle["provision_failed_count"] == 1
 
     published_before = metrics.sample("messenger_outbox_relay_published_total")
+    rows = {str(r["event_id"]): r for r in outbox_rows(engine)}  # before the relay deletes them
     result = make_relay(rsettings, engine, producers).run()
     assert result.to_json() == {"published": 2, "failed": 0, "parked": 0, "pending": 0}
     assert metrics.sample("messenger_outbox_relay_published_total") == published_before + 2
@@ -150,7 +151,6 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
     by_conf = {r.value["payload"]["conferenceId"]: r for r in records}
     assert set(by_conf) == {room["id"], stale["id"]}
     assert failed["id"] not in by_conf
-    rows = {str(r["event_id"]): r for r in outbox_rows(engine)}
 
     record = by_conf[room["id"]]
     row = rows[record.event_id]
@@ -198,8 +198,9 @@ def test_reaped_conference_reaches_kafka_as_the_contract_event(
     assert by_conf[stale["id"]].value["payload"]["endReason"] == "Timeout"
     assert by_conf[stale["id"]].key == stale["deal_id"]
 
-    for row in rows.values():
-        assert row["published_at"] is not None and row["attempts"] == 1
+    # each row left the outbox at its own acknowledgement: gone, and its event on Kafka
+    assert outbox_rows(engine) == []
+    assert {r.event_id for r in records} == set(rows)
     assert log_events(caplog, "relay.completed")[-1]["published"] == 2
 
     # A second pass has nothing left to send.
@@ -244,6 +245,35 @@ class _Failed:
         raise self.error
 
 
+class AckedSlot(ProducerSlot):
+    """A real producer that records the event ids Kafka acknowledged with an offset."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.acked: set[str] = set()
+
+    def get(self) -> KafkaProducer:
+        real = super().get()
+        slot = self
+
+        class Producer:
+            def send(self, topic, *, key, value, headers):
+                future = real.send(topic, key=key, value=value, headers=headers)
+                event_id = dict(headers)["event-id"].decode()
+
+                def acknowledged(meta) -> None:
+                    if meta.offset >= 0:
+                        slot.acked.add(event_id)
+
+                future.add_callback(acknowledged)
+                return future
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        return Producer()  # type: ignore[return-value]
+
+
 class FailingSlot(ProducerSlot):
     """A real producer whose records of the chosen event ids fail, once each, with
     the given error (Tansu refuses nothing on its own)."""
@@ -286,7 +316,7 @@ def test_a_failed_row_holds_back_its_key_while_other_keys_go_on(
     assert (result.published, result.failed, result.pending, result.held_back) == (1, 1, 2, 1)
     assert result.parked == 0
     rows = {str(r["event_id"]): r for r in outbox_rows(engine)}
-    assert rows[other]["published_at"] is not None
+    assert other not in rows  # deleted at its acknowledgement; on Kafka, read at the end
     assert rows[first]["published_at"] is None and rows[first]["attempts"] == 1
     assert rows[first]["parked_at"] is None
     assert "NotLeaderForPartitionError" in rows[first]["last_error"]
@@ -297,7 +327,7 @@ def test_a_failed_row_holds_back_its_key_while_other_keys_go_on(
 
     # While the first row backs off, the second one still waits behind it.
     assert relay.run().published == 0
-    assert outbox_rows(engine)[1]["published_at"] is None
+    assert [str(r["event_id"]) for r in outbox_rows(engine)] == [first, second]
 
     # Due again (the leader is back): both go, in order.
     with engine.begin() as conn:
@@ -306,7 +336,8 @@ def test_a_failed_row_holds_back_its_key_while_other_keys_go_on(
     records = read_topic(kafka_broker, topic, expect=3)
     deal_a = sorted((r for r in records if r.key == "deal-a"), key=lambda r: r.offset)
     assert [r.event_id for r in deal_a] == [first, second]
-    assert outbox_rows(engine)[0]["attempts"] == 2
+    assert [r.event_id for r in records if r.key == "deal-b"] == [other]
+    assert outbox_rows(engine) == []
 
 
 @pytest.mark.parametrize(
@@ -339,7 +370,7 @@ def test_a_row_refused_for_good_is_parked_and_holds_back_its_key(
     assert rows[refused]["attempts"] == 1
     expected = "ValueError" if refusal == "illegal-topic" else "MessageSizeTooLargeError"
     assert expected in rows[refused]["last_error"]
-    assert rows[other]["published_at"] is not None
+    assert other not in rows  # acknowledged: gone; on Kafka, below
     assert rows[later]["published_at"] is None and rows[later]["attempts"] == 0
     [parked] = log_events(caplog, "relay.row_parked")
     assert parked["event_id"] == refused
@@ -455,8 +486,8 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
         assert (down.published, down.failed, down.pending) == (0, 3, 3)
         assert down.kafka_unavailable and down.oldest_pending_age_seconds > 0
         assert elapsed < 3 * settings.kafka_timeout.total_seconds()  # fails fast, generously
-        pending = [r for r in outbox_rows(engine) if r["published_at"] is None]
-        assert len(pending) == 3
+        pending = outbox_rows(engine)  # the first one left at its acknowledgement
+        assert len(pending) == 3 and all(r["published_at"] is None for r in pending)
         # backed off with why, but Kafka being down is no attempt charged to the rows
         assert all(r["attempts"] == 0 and r["last_error"] for r in pending)
         assert log_events(caplog, "relay.kafka_unavailable")
@@ -470,14 +501,13 @@ def test_broker_down_then_back_drains_everything(database_url, engine, producers
             if relay.run().pending == 0:
                 break
             time.sleep(0.3)
-        rows = outbox_rows(engine)
-        assert all(r["published_at"] is not None for r in rows)
+        assert outbox_rows(engine) == []  # every row gone at its acknowledgement
         assert metrics.sample("messenger_outbox_pending") == 0
         assert metrics.sample("messenger_outbox_oldest_pending_age_seconds") == 0
         records = read_topic(broker.bootstrap, topic, expect=3)
         conferences = Counter(r.value["payload"]["conferenceId"] for r in records)
         assert {room["id"] for room in rooms} <= set(conferences)
-        assert {str(r["event_id"]) for r in rows[1:]} <= {r.event_id for r in records}
+        assert {str(r["event_id"]) for r in pending} <= {r.event_id for r in records}
     finally:
         broker.stop()
 
@@ -497,18 +527,34 @@ def add_spread_rows(engine: Engine, topic: str, keys: int, per_key: int) -> list
     return rows
 
 
-def published_prefixes(engine: Engine) -> dict[str, int]:
-    """Per key: how many of its rows are published; asserts they are the first ones
-    (in commit order: nothing overtook an earlier row of its deal)."""
+def published_prefixes(engine: Engine, rows: list[tuple[str, str]]) -> dict[str, int]:
+    """Per key of ``rows`` (key, event id, in commit order): how many of its rows
+    are published, i.e. gone from the outbox (deleted at their acknowledgement);
+    asserts they are the first ones (nothing overtook an earlier row of its deal)
+    and that every row still there is pending. The caller checks that the gone
+    ones are on Kafka."""
+    left = {str(r["event_id"]): r for r in outbox_rows(engine)}
+    assert all(r["published_at"] is None for r in left.values())
     by_key: dict[str, list[bool]] = {}
-    for row in outbox_rows(engine):
-        by_key.setdefault(row["message_key"], []).append(row["published_at"] is not None)
+    for key, event_id in rows:
+        by_key.setdefault(key, []).append(event_id not in left)
     prefixes = {}
     for key, published in by_key.items():
         count = sum(published)
         assert published == [True] * count + [False] * (len(published) - count), key
         prefixes[key] = count
     return prefixes
+
+
+def gone_ones(rows: list[tuple[str, str]], prefixes: dict[str, int]) -> set[str]:
+    """The event ids of the rows ``published_prefixes`` counted as published."""
+    seen: Counter[str] = Counter()
+    gone = set()
+    for key, event_id in rows:
+        if seen[key] < prefixes[key]:
+            gone.add(event_id)
+        seen[key] += 1
+    return gone
 
 
 @pytest.mark.process
@@ -550,9 +596,10 @@ def test_broker_stopping_mid_pass_marks_only_acknowledged_rows_in_order(
     database_url, engine, producers
 ):
     """Kafka goes away while batches are in flight: the pass ends, what was
-    acknowledged is marked and nothing else, no row is charged or parked, each
+    acknowledged is deleted and nothing else, no row is charged or parked, each
     deal's published rows are its first ones; the next pass, Kafka back, sends the
-    rest in order."""
+    rest in order. The killed broker's storage goes with it, so what was on Kafka
+    is what it acknowledged with an offset (acks=all)."""
     broker = Tansu().start()
     port = broker.port
     try:
@@ -570,15 +617,18 @@ def test_broker_stopping_mid_pass_marks_only_acknowledged_rows_in_order(
                 broker.proc.kill()  # at once, mid-pass: later batches are in flight
 
         bus.subscribe(RelayBatchCommitted, kill_broker_once)
-        relay = make_relay(settings, engine, producers, bus=bus)
+        slot = AckedSlot(settings)
+        producers.slots.append(slot)
+        relay = Relay(settings, engine=engine, producers=slot, bus=bus)
         started = time.monotonic()
         down = relay.run()
         assert time.monotonic() - started < 30
         broker.stop()
         assert killed.is_set() and down.kafka_unavailable and 0 < down.published < len(rows)
         assert down.parked == 0 and down.pending == len(rows) - down.published
-        prefixes = published_prefixes(engine)
+        prefixes = published_prefixes(engine, rows)
         assert sum(prefixes.values()) == down.published
+        assert gone_ones(rows, prefixes) <= slot.acked  # deleted only once on Kafka
         assert all(r["parked_at"] is None for r in outbox_rows(engine))
 
         broker = Tansu(port=port).start()  # Kafka is back (empty: a new broker)
@@ -624,9 +674,11 @@ def test_a_pass_ended_mid_way_settles_its_batches_in_flight(
     assert time.monotonic() - started < bound.total_seconds() + 5
     assert 0 < result.published < len(rows) and not result.timed_out
     assert result.pending == len(rows) - result.published
-    assert sum(published_prefixes(engine).values()) == result.published
+    prefixes = published_prefixes(engine, rows)
+    assert sum(prefixes.values()) == result.published
     records = read_topic(kafka_broker, topic, expect=result.published + 1, timeout=3)
     assert len(records) == result.published
+    assert {r.event_id for r in records} == gone_ones(rows, prefixes)
     with engine.connect() as conn:  # nothing is left locked: all of it claimable again
         claimable = Queries(conn).claim_outbox_batch(10_000, None)
         conn.rollback()
@@ -659,7 +711,7 @@ def test_a_record_refused_mid_pass_is_parked_and_the_pass_goes_on(
     result = make_relay(settings, engine, producers).run()
     assert (result.parked, result.failed) == (1, 0)
     assert (result.published, result.pending) == (len(rows) - 1 - behind, behind)
-    prefixes = published_prefixes(engine)
+    prefixes = published_prefixes(engine, rows)
     assert prefixes[refused_key] == mine.index(refused_id)
     records = sorted(
         read_topic(kafka_broker, topic, expect=result.published), key=lambda r: r.offset
@@ -673,9 +725,8 @@ def test_a_record_refused_mid_pass_is_parked_and_the_pass_goes_on(
 MARK_REFUSED = """
 CREATE FUNCTION messenger.test_refuse_mark() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN RAISE EXCEPTION 'this mark is refused'; END $$;
-CREATE TRIGGER test_refuse_mark BEFORE UPDATE ON messenger.integration_outbox FOR EACH ROW
-    WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL
-          AND NEW.event_id = CAST('{event_id}' AS uuid))
+CREATE TRIGGER test_refuse_mark BEFORE DELETE ON messenger.integration_outbox FOR EACH ROW
+    WHEN (OLD.event_id = CAST('{event_id}' AS uuid))
     EXECUTE FUNCTION messenger.test_refuse_mark();
 """
 
@@ -709,14 +760,14 @@ def test_a_mark_the_database_refuses_mid_pass_loses_nothing_and_keeps_the_order(
     assert (down.failed, down.parked, down.pending) == (0, 0, len(rows) - down.published)
     [failed] = log_events(caplog, "relay.db_failed")
     assert "this mark is refused" in failed["error"]
-    prefixes = published_prefixes(engine)
-    pending = [r for r in outbox_rows(engine) if r["published_at"] is None]
+    prefixes = published_prefixes(engine, rows)
+    pending = outbox_rows(engine)
     assert [r for r in pending if r["attempts"] or r["last_error"] or r["parked_at"]] == []
     sent = read_topic(kafka_broker, topic, expect=down.published + 1, timeout=5)
     # sent but rolled back: the refused batch and the one in flight behind it
     assert len(sent) > down.published
-    published = {str(r["event_id"]) for r in outbox_rows(engine) if r["published_at"]}
-    assert published <= {r.event_id for r in sent}  # marked only after its own ack
+    published = gone_ones(rows, prefixes)
+    assert published <= {r.event_id for r in sent}  # deleted only after its own ack
 
     again = make_relay(settings, engine, producers).run()
     assert (again.published, again.pending, again.parked) == (len(rows) - down.published, 0, 0)
@@ -865,7 +916,7 @@ from reaper.relay import Relay
 def killed(self, ids):
     os._exit(137)  # sent and acknowledged, never marked
 
-Queries.mark_outbox_published = killed
+Queries.acknowledge_outbox = killed
 Relay(Settings()).run()
 """
 
@@ -891,6 +942,7 @@ def test_relay_killed_between_send_and_mark_resends_the_same_event(
     assert len(read_topic(kafka_broker, topic, expect=1)) == 1  # it did reach Kafka
 
     assert make_relay(rsettings, engine, producers).run().published == 1
+    assert outbox_rows(engine) == []  # gone once its own acknowledgement came
     records = read_topic(kafka_broker, topic, expect=2)
     assert [r.event_id for r in records] == [str(row["event_id"])] * 2
     assert len({r.event_id for r in records}) == 1  # what a deduplicating consumer keeps
@@ -1045,10 +1097,28 @@ def test_producer_security_settings_are_passed(tmp_path, database_url):
     assert plain["security_protocol"] == "PLAINTEXT" and "sasl_mechanism" not in plain
 
 
+def test_the_process_slot_serves_the_settings_it_is_given(database_url, engine, monkeypatch):
+    """The process's producer slot once served its first caller's settings to every
+    later one: a relay given another Kafka sent to the first one's brokers (a
+    relay after one with the tests' default bootstrap found Kafka unreachable)."""
+    from reaper import kafka
+
+    monkeypatch.setattr(kafka, "_process_slot", None)
+    first = Settings(database_url=database_url, kafka_bootstrap_servers="127.0.0.1:1")
+    same = first.model_copy()
+    other = first.model_copy(update={"kafka_bootstrap_servers": "127.0.0.1:2"})
+    slot = kafka.process_slot(first)
+    assert kafka.process_slot(same) is slot  # a worker's settings: one slot, one producer
+    replaced = kafka.process_slot(other)
+    assert replaced is not slot and replaced.settings.kafka_bootstrap_servers == "127.0.0.1:2"
+    assert Relay(other, engine=engine).producers is replaced
+
+
 FORKED_SEND = """
 import os, sys
 from reaper.config import Settings
-from reaper.kafka import get_producer, close_producer
+from reaper.kafka import close_producer
+from tests.support.kafka import get_producer
 
 settings = Settings()
 parent = get_producer(settings)

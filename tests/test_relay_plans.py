@@ -16,6 +16,7 @@ rolled back (autovacuum never sees the rows, so the statistics stay stale).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,7 +40,6 @@ FROM generate_series(1, :pending) g
 
 # The relay's statements in the relay's transaction, with their parameters.
 MARKS: dict[str, dict[str, Any]] = {
-    "mark_outbox_published": {"ids": list(range(1, BATCH + 1))},
     "mark_outbox_parked": {"ids": [1, 2], "errors": ["refused", "refused"]},
     "mark_outbox_failed": {
         "ids": [3, 4],
@@ -157,6 +157,52 @@ def test_the_marks_reach_their_rows_by_key(outbox: Connection, name: str) -> Non
     kinds = {(node["Node Type"], node.get("Index Name")) for node, _ in nodes(plan)}
     assert not any(kind == "Seq Scan" for kind, _ in kinds), outline(plan)
     assert {index for _, index in kinds} & {"integration_outbox_pkey"}, outline(plan)
+
+
+def nested_plans(conn: Connection, sql: str, params: dict[str, Any]) -> tuple[Any, list[dict]]:
+    """Run ``sql`` for real; its result and the plans of the statements the
+    functions it calls ran (auto_explain, sent to this client as notices, read
+    on a cursor of the driver: SQLAlchemy's own execution logs them away)."""
+    conn.execute(text("LOAD 'auto_explain'"))
+    for name, value in (
+        ("auto_explain.log_min_duration", "0"),
+        ("auto_explain.log_nested_statements", "on"),
+        ("auto_explain.log_level", "notice"),
+        ("auto_explain.log_format", "json"),
+    ):
+        conn.execute(text("SELECT set_config(:n, :v, true)"), {"n": name, "v": value})
+    raw = conn.connection.dbapi_connection
+    assert raw is not None
+    compiled = text(sql).bindparams(**params).compile(dialect=conn.dialect)
+    cursor = raw.cursor()
+    del raw.notices[:]
+    cursor.execute(str(compiled), compiled.params)
+    fetched = cursor.fetchone()
+    assert fetched is not None
+    [result] = fetched
+    notices: list[str] = list(raw.notices)
+    return result, [json.loads(n.split("plan:", 1)[1]) for n in notices if "plan:" in n]
+
+
+def test_the_acknowledgement_deletes_its_rows_by_key(outbox: Connection) -> None:
+    """The relay's mark of a batch, messenger.acknowledge_outbox: the DELETE inside
+    the definer function reaches the batch's rows by the primary key, whatever the
+    statistics say (EXPLAIN of the call shows only the call)."""
+    ids = list(range(1, BATCH + 1))
+    deleted, plans = nested_plans(outbox, load()["acknowledge_outbox"].text, {"ids": ids})
+    assert deleted == BATCH
+    [delete] = [p["Plan"] for p in plans if p["Query Text"].lstrip().startswith("DELETE")]
+    scans = [
+        n
+        for n, _ in nodes(delete)
+        if n["Node Type"] == "Bitmap Index Scan"
+        or (n.get("Relation Name") == "integration_outbox" and n["Node Type"] != "ModifyTable")
+    ]
+    # each row fetched by its id (an index condition, or a bitmap of one), never a
+    # walk of an index or of the table filtered by id
+    assert scans and all(
+        "id = ANY" in n.get("Index Cond", n.get("Recheck Cond", "")) for n in scans
+    ), [(n["Node Type"], n.get("Index Name"), n.get("Index Cond", "")[:40]) for n in scans]
 
 
 def test_the_check_sees_probes_that_walk_another_index(engine: Engine) -> None:

@@ -30,11 +30,23 @@ from tests.conftest import PG_URL, ROOT
 from tests.support import releases
 from tests.support.roles import login
 
-V = "0.3.0"
+# The messages are built from this release's own range, so a migration that moves
+# it (SCHEMA_NEEDED, SCHEMA_KNOWN) changes no string here.
+V = release.version()
+RANGE = f"release {V} runs on {SCHEMA_NEEDED} to {SCHEMA_KNOWN}"
+
+
+def rev(base: str, offset: int) -> str:
+    """The revision ``offset`` steps from ``base``."""
+    return f"{int(base) + offset:04d}"
+
+
+BELOW = rev(SCHEMA_NEEDED, -1)  # older than this release needs
+K1, K2, K3 = (rev(SCHEMA_KNOWN, n) for n in (1, 2, 3))  # a later release's
 
 
 def row(revision: str, compatible_from: str, kind: str = "expand") -> Migration:
-    return Migration(revision, kind, "0.4.0", compatible_from)
+    return Migration(revision, kind, "9.9.9", compatible_from)
 
 
 # -- the range, as functions ------------------------------------------------------
@@ -47,47 +59,46 @@ def test_within_the_range_the_release_runs() -> None:
 
 
 def test_older_than_needed_or_unreadable_is_refused_with_the_migrate_line() -> None:
-    older = judge("0009", [], version=V)
+    older = judge(BELOW, [], version=V)
     assert (older.state, older.runs) == (SchemaState.OLDER, False)
     assert older.message() == (
-        "schema 0009 is older than this release needs (release 0.3.0 runs on 0010 to 0011):"
-        " run reaper migrate"
+        f"schema {BELOW} is older than this release needs ({RANGE}): run reaper migrate"
     )
     unreadable = judge(None, [], version=V)
     assert (unreadable.state, unreadable.runs) == (SchemaState.OLDER, False)
     assert unreadable.message() == (
-        "schema before 0010 (no revision readable by this login) is older than this release"
-        " needs (release 0.3.0 runs on 0010 to 0011): run reaper migrate"
+        f"schema before {SCHEMA_NEEDED} (no revision readable by this login) is older than"
+        f" this release needs ({RANGE}): run reaper migrate"
     )
 
 
 def test_newer_runs_when_every_newer_migration_is_compatible() -> None:
-    newer = judge("0013", [row("0012", "0011"), row("0013", "0009")], version=V)
+    newer = judge(K2, [row(K1, SCHEMA_KNOWN), row(K2, BELOW)], version=V)
     assert (newer.state, newer.runs) == (SchemaState.NEWER_COMPATIBLE, True)
     assert newer.message() == (
-        "schema 0013 is newer than this release knows (release 0.3.0 runs on 0010 to 0011);"
+        f"schema {K2} is newer than this release knows ({RANGE});"
         " its newer migrations are all compatible with it: running"
     )
 
 
 def test_newer_is_refused_when_one_newer_migration_breaks_it_or_says_nothing() -> None:
     breaking = judge(
-        "0014",
-        [row("0012", "0011"), row("0013", "0012", "contract"), row("0014", "0011")],
+        K3,
+        [row(K1, SCHEMA_KNOWN), row(K2, K1, "contract"), row(K3, SCHEMA_KNOWN)],
         version=V,
     )
     assert (breaking.state, breaking.runs, breaking.breaking) == (
         SchemaState.NEWER_BREAKING,
         False,
-        ("0013",),
+        (K2,),
     )
     assert breaking.message() == (
-        "schema 0014 is newer than this release knows (release 0.3.0 runs on 0010 to 0011)"
-        " and 0013 breaks it: run a release that knows 0014"
+        f"schema {K3} is newer than this release knows ({RANGE})"
+        f" and {K2} breaks it: run a release that knows {K3}"
     )
     # a newer migration without a row (the record unreadable, or not written)
-    silent = judge("0013", [row("0013", "0011")], version=V)
-    assert (silent.state, silent.breaking) == (SchemaState.NEWER_BREAKING, ("0012",))
+    silent = judge(K2, [row(K2, SCHEMA_KNOWN)], version=V)
+    assert (silent.state, silent.breaking) == (SchemaState.NEWER_BREAKING, (K1,))
     # a revision that is not one of this project's
     stranger = judge("ae1027a6acf", [], version=V)
     assert (stranger.state, stranger.runs) == (SchemaState.NEWER_BREAKING, False)
@@ -99,22 +110,24 @@ def test_migrate_applies_expand_and_contract_only_after_it() -> None:
         lambda at: migrate_plan(at, contract=True, version=V),
     )
     # reaper migrate: up to this release's expand head, from anywhere below it
-    for at in ("0001", "0008", "0009"):
+    for at in ("0001", "0008", BELOW):
         assert expand(at) == MigratePlan(SCHEMA_NEEDED), at
-    for at in (SCHEMA_NEEDED, SCHEMA_KNOWN, "0012"):
+    for at in (SCHEMA_NEEDED, SCHEMA_KNOWN, K1):
         assert expand(at) == MigratePlan(None), at
     # a new database: no release runs on it, so the whole chain at once
     assert expand(None) == contract(None) == MigratePlan(SCHEMA_KNOWN)
     # reaper migrate --contract: only once the expand migrations are in
-    for at in ("0001", "0008", "0009"):
+    for at in ("0001", "0008", BELOW):
         refused = contract(at)
         assert refused.target is None and refused.refusal is not None
-        assert "run reaper migrate, roll every worker to 0.3.0, then reaper migrate --contract" in (
+        assert f"run reaper migrate, roll every worker to {V}, then reaper migrate --contract" in (
             refused.refusal
         )
-    assert contract(SCHEMA_NEEDED) == MigratePlan(SCHEMA_KNOWN)
+    # then its contract migrations, if it has any (none: nothing to apply)
+    has_contract = int(SCHEMA_KNOWN) > int(SCHEMA_NEEDED)
+    assert contract(SCHEMA_NEEDED) == MigratePlan(SCHEMA_KNOWN if has_contract else None)
     assert contract(SCHEMA_KNOWN) == MigratePlan(None)
-    assert contract("0012") == MigratePlan(None)
+    assert contract(K1) == MigratePlan(None)
 
 
 # -- the version, the migrations, CHANGELOG.md -----------------------------------------
@@ -161,7 +174,7 @@ def test_the_changelog_names_every_migration_with_its_kind() -> None:
     in_files = {m.revision: (m.release, m.kind) for m in migration_modules()}
     assert listed == in_files
     previous = releases.previous()
-    assert previous.version == "0.2.0" and previous.commit == "4f3f27b"
+    assert previous.version == "0.3.0" and previous.commit == "384c381"
 
 
 def test_the_record_holds_every_migration_as_its_file_says(engine: Engine) -> None:
@@ -179,7 +192,8 @@ def test_the_record_holds_every_migration_as_its_file_says(engine: Engine) -> No
 
 @pytest.fixture(scope="module")
 def scratch(services: None) -> Iterator[str]:
-    """A database of its own, at 0009 (the previous release's head) to begin with."""
+    """A database of its own, at 0009 (release 0.2.0's head, from before the record
+    of 0010) to begin with."""
     name = f"reaper_release_{uuid.uuid4().hex[:8]}"
     url = f"{PG_URL}/{name}"
     migrate(url, "0009")
@@ -230,30 +244,26 @@ def test_a_newer_schema_is_read_through_its_record(scratch: str) -> None:
     migrate(scratch, SCHEMA_KNOWN)
     owner = create_engine(scratch)
     try:
+        later = text(
+            "INSERT INTO messenger.reaper_migrations (revision, kind, release, compatible_from)"
+            " VALUES (:r, :k, '9.9.9', :c)"
+        )
+        head = text("UPDATE alembic_version SET version_num = :v")
         with owner.begin() as conn:
-            conn.execute(
-                text(
-                    "INSERT INTO messenger.reaper_migrations"
-                    " (revision, kind, release, compatible_from)"
-                    " VALUES ('0012', 'expand', '0.4.0', '0011')"
-                )
-            )
-            conn.execute(text("UPDATE alembic_version SET version_num = '0012'"))
+            conn.execute(later, {"r": K1, "k": "expand", "c": SCHEMA_KNOWN})
+            conn.execute(head, {"v": K1})
         with login(owner, scratch, "reaper_worker") as url:
             assert read_as(url).state is SchemaState.NEWER_COMPATIBLE
             with owner.begin() as conn:
-                conn.execute(
-                    text(
-                        "INSERT INTO messenger.reaper_migrations"
-                        " (revision, kind, release, compatible_from)"
-                        " VALUES ('0013', 'contract', '0.4.0', '0012')"
-                    )
-                )
-                conn.execute(text("UPDATE alembic_version SET version_num = '0013'"))
+                conn.execute(later, {"r": K2, "k": "contract", "c": K1})
+                conn.execute(head, {"v": K2})
             verdict = read_as(url)
-            assert (verdict.state, verdict.breaking) == (SchemaState.NEWER_BREAKING, ("0013",))
+            assert (verdict.state, verdict.breaking) == (SchemaState.NEWER_BREAKING, (K2,))
     finally:
         with owner.begin() as conn:
-            conn.execute(text("DELETE FROM messenger.reaper_migrations WHERE revision > '0011'"))
+            conn.execute(
+                text("DELETE FROM messenger.reaper_migrations WHERE revision > :k"),
+                {"k": SCHEMA_KNOWN},
+            )
             conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": SCHEMA_KNOWN})
         owner.dispose()

@@ -20,6 +20,7 @@ from sqlalchemy import Connection, text
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
+from reaper.events import PhaseCountKey
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import log_records
@@ -120,7 +121,7 @@ def test_anomalies_are_closed_and_only_refused_rows_are_poison(
             f.conference(conn, **(EMPTY if phase == "empty_room" else STALE))["id"]
             for _ in range(5)
         }
-    key = "empty_timeout_count" if phase == "empty_room" else "stale_timeout_count"
+    key: PhaseCountKey = "empty_timeout_count" if phase == "empty_room" else "stale_timeout_count"
     reason = "EmptyTimeout" if phase == "empty_room" else "Timeout"
     closing = {**anomalies, **odd, **dict.fromkeys(good, "good")}
 

@@ -1,8 +1,8 @@
 """The two roles (migration 0009, docs/design.md#roles): ``reaper_worker`` runs
 cycles, the relay, the stop signals and retention, reads the operator's
 controls and never writes them, deletes only published outbox rows past the
-retention; ``reaper_operator`` runs pause, resume, policy, outbox parked and
-requeue, status and plan, and cannot change a conference. Every command of
+retention; ``reaper_operator`` runs pause, resume, policy, outbox parked,
+requeue and discard, status and plan, and cannot change a conference. Every command of
 both is run as a real login."""
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from reaper import budgets
 from reaper.cycle import Reaper
 from reaper.db import transaction
 from reaper.errors import sqlstate
+from reaper.queries import Queries
 from tests.support import factory as f
 from tests.support.processes import run_cli
-from tests.support.roles import login
+from tests.support.roles import function_grants, login
 
 WORKER = "reaper_worker"
 OPERATOR = "reaper_operator"
@@ -37,6 +38,7 @@ TABLES = (
     "reaper_pauses",
     "reaper_tenant_policies",
     "reaper_migrations",
+    "outbox_discards",
 )
 PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 OPERATOR_TABLE_PRIVILEGES: dict[str, set[str]] = {
@@ -50,6 +52,8 @@ OPERATOR_TABLE_PRIVILEGES: dict[str, set[str]] = {
     "reaper_tenant_policies": {"SELECT", "INSERT", "UPDATE", "DELETE"},
     # the schema's record, read by the check every command makes first (0010)
     "reaper_migrations": {"SELECT"},
+    # reaper outbox discard writes it through messenger.discard_outbox (0013) alone
+    "outbox_discards": {"SELECT"},
 }
 OPERATOR_UPDATE_COLUMNS = {"integration_outbox": {"parked_at", "attempts", "next_attempt_at"}}
 RETENTION_FUNCTION = "messenger.delete_published_outbox(interval, int)"
@@ -125,19 +129,49 @@ def test_operator_role_has_exactly_what_its_commands_need(engine):
         assert tuple(memberships) == (False, False)
 
 
-def test_only_the_worker_role_may_run_retention_and_the_function_is_pinned(engine):
-    with engine.connect() as conn:
-        worker, public, definer, config = conn.execute(
-            text(
-                "SELECT has_function_privilege(:w, CAST(:f AS regprocedure), 'EXECUTE'),"
-                "       has_function_privilege('public', CAST(:f AS regprocedure), 'EXECUTE'),"
-                "       p.prosecdef, p.proconfig"
-                " FROM pg_proc p WHERE p.oid = CAST(:f AS regprocedure)"
-            ),
-            {"w": WORKER, "f": RETENTION_FUNCTION},
-        ).one()
-    assert (worker, public, definer) == (True, False, True)
+@pytest.mark.parametrize(
+    "function",
+    [
+        RETENTION_FUNCTION,
+        # the relay's acknowledgement and the snapshot gauge (migration 0012)
+        "messenger.acknowledge_outbox(bigint[])",
+        "messenger.oldest_snapshot_age_seconds()",
+    ],
+)
+def test_only_the_worker_role_may_run_its_functions_and_each_is_pinned(engine, function):
+    worker, operator, public, definer, config = function_grants(engine, function)
+    assert (worker, operator, public, definer) == (True, False, False, True)
     assert config == ["search_path=pg_catalog, pg_temp"]
+
+
+def test_the_acknowledgement_deletes_only_pending_rows_it_is_named(engine, worker_engine):
+    """As the worker's login: the named pending rows go; a parked row, a published
+    one (a 0.3.0 relay's, for retention) and a row not named stay."""
+    with engine.begin() as conn:
+        ids = (
+            conn.execute(
+                text(
+                    "INSERT INTO messenger.integration_outbox"
+                    " (event_id, topic, message_key, payload, published_at, parked_at)"
+                    " SELECT gen_random_uuid(), 't', 'k' || g, '{}',"
+                    "        CASE WHEN g = 2 THEN now() END, CASE WHEN g = 3 THEN now() END"
+                    " FROM generate_series(1, 4) g RETURNING id"
+                )
+            )
+            .scalars()
+            .all()
+        )
+    pending, published, parked, other = ids
+    with worker_engine.begin() as conn:
+        deleted = Queries(conn).acknowledge_outbox([pending, published, parked])
+    assert deleted == 1
+    with engine.connect() as conn:
+        left = (
+            conn.execute(text("SELECT id FROM messenger.integration_outbox ORDER BY id"))
+            .scalars()
+            .all()
+        )
+    assert left == [published, parked, other]
 
 
 @pytest.fixture
@@ -301,7 +335,8 @@ def seed_for_commands(engine: Engine) -> dict[str, Any]:
         now = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
         room = f.conference(conn, as_of=now, idle=timedelta(minutes=5))
         parked = outbox_row(conn, published_ago=None, parked=True)
-    return {"room": room, "parked": parked}
+        never = outbox_row(conn, published_ago=None, parked=True)  # Kafka will never take it
+    return {"room": room, "parked": parked, "never": never}
 
 
 def pauses(engine: Engine) -> list[str]:
@@ -315,6 +350,13 @@ def tenant_policies(engine: Engine) -> list[str]:
             conn.execute(
                 text("SELECT tenant_id::text FROM messenger.reaper_tenant_policies")
             ).scalars()
+        )
+
+
+def discarded(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(text("SELECT event_id::text FROM messenger.outbox_discards")).scalars()
         )
 
 
@@ -334,7 +376,7 @@ def test_every_operator_command_runs_as_an_operator_login(database_url, engine):
         done = cli(url, "status", "--json")
         assert done.returncode == 0, done.stderr
         status = json.loads(done.stdout)
-        assert status["outbox"]["parked"] == 1, status
+        assert status["outbox"]["parked"] == 2, status
         done = cli(url, "plan", "--json")
         assert done.returncode == 0, done.stderr
         assert room["id"] in done.stdout
@@ -357,10 +399,13 @@ def test_every_operator_command_runs_as_an_operator_login(database_url, engine):
 
         done = cli(url, "outbox", "parked", "--json")
         assert done.returncode == 0, done.stderr
-        assert [r["event_id"] for r in json.loads(done.stdout)] == [parked]
+        assert {r["event_id"] for r in json.loads(done.stdout)} == {parked, seeded["never"]}
         done = cli(url, "outbox", "requeue", "--event-id", parked)
         assert done.returncode == 0, done.stderr
         assert parked_at(engine, parked) is None
+        done = cli(url, "outbox", "discard", "--event-id", seeded["never"], "--reason", "too big")
+        assert done.returncode == 0, done.stderr
+        assert discarded(engine) == [seeded["never"]]
 
         # the worker's command is not the operator's: no conference changes
         done = cli(url, "reap", "--once", "--json")
@@ -410,6 +455,8 @@ def test_every_worker_command_runs_or_is_refused_as_a_worker_login(database_url,
             ["resume"],
             ["policy", "set", "--tenant", TENANT, "--stale-live-timeout", "PT1H"],
             ["policy", "unset", "--tenant", TENANT],
+            # a worker credential must not drop an event unseen (migration 0013)
+            ["outbox", "discard", "--event-id", seeded["never"], "--reason", "steering"],
         ):
             done = cli(url, *args)
             assert refused_for_permission(done), (args, done.returncode, done.stderr)
@@ -425,3 +472,4 @@ def test_every_worker_command_runs_or_is_refused_as_a_worker_login(database_url,
     assert pauses(engine) == ["stale_live"]
     assert tenant_policies(engine) == [TENANT]
     assert parked_at(engine, parked) is None
+    assert parked_at(engine, seeded["never"]) is not None and discarded(engine) == []

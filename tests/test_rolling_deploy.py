@@ -30,7 +30,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import DBAPIError
 
 from reaper.errors import sqlstate
-from reaper.release import EXIT_SCHEMA, SCHEMA_KNOWN, SCHEMA_NEEDED
+from reaper.release import EXIT_SCHEMA, SCHEMA_KNOWN, SCHEMA_NEEDED, version
 from tests.conftest import BIN, PG_URL, ROOT
 from tests.support import factory as f
 from tests.support import releases
@@ -43,6 +43,14 @@ pytestmark = pytest.mark.process
 # Every wait below: a cycle every second, the relay every second.
 CLOSED_WITHIN = 30.0
 CALL_TIMEOUT = 60.0
+# This release's range as its lines name it (reaper/release.py).
+RANGE = f"release {version()} runs on {SCHEMA_NEEDED} to {SCHEMA_KNOWN}"
+
+
+def previous_head() -> str:
+    """The schema the previous release's own ``reaper migrate`` leaves on a new
+    database: the whole chain it knows (CHANGELOG.md, its migrations)."""
+    return max(releases.previous().migrations)
 
 
 @pytest.fixture(scope="session")
@@ -120,14 +128,17 @@ def seed(owner: Engine, count: int) -> list[str]:
 
 
 def closed_and_published(owner: Engine, rooms: list[str]) -> bool:
+    """Every room ended and its event sent: its row (written in the transaction
+    that ended the room) marked published by the previous release's relay, or
+    deleted at its acknowledgement by this one's. The caller reads Kafka."""
     with owner.connect() as conn:
         done = conn.execute(
             text(
                 "SELECT count(*) FROM messenger.conference_sessions s"
-                " JOIN messenger.integration_outbox o"
+                " LEFT JOIN messenger.integration_outbox o"
                 "   ON o.payload->'payload'->>'conferenceId' = s.id::text"
                 " WHERE s.id = ANY(CAST(:ids AS uuid[])) AND s.status = 'Ended'"
-                "   AND o.published_at IS NOT NULL"
+                "   AND (o.id IS NULL OR o.published_at IS NOT NULL)"
             ),
             {"ids": rooms},
         ).scalar_one()
@@ -135,6 +146,12 @@ def closed_and_published(owner: Engine, rooms: list[str]) -> bool:
 
 
 ERROR_LINE = re.compile(r'"level":\s*"(?:ERROR|CRITICAL)"|\b(?:ERROR|CRITICAL)/|Traceback')
+
+
+def logged(output: str, event: str) -> list[dict]:
+    """The JSON log lines of ``event``."""
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("event") == event]
 
 
 def errors(output: str) -> list[str]:
@@ -250,10 +267,14 @@ def test_the_previous_release_runs_beside_this_one_across_the_migration(
             # the previous release's own migrate: its head
             done = previous_release(previous_tree, "-m", "reaper.cli", "migrate", env=as_owner)
             assert done.returncode == 0, done.stderr
-            assert revision(owner) == "0009"
+            assert revision(owner) == previous_head()
             old.start()
             rooms += seed(owner, 5)
-            wait_until(lambda: closed_and_published(owner, rooms), CLOSED_WITHIN, "closed, 0009")
+            wait_until(
+                lambda: closed_and_published(owner, rooms),
+                CLOSED_WITHIN,
+                f"closed, {previous_head()}",
+            )
             # this release's tasks, run by the previous release's worker alone
             sent_by_one_executed_by_other(owner, old, None, as_worker)
 
@@ -265,7 +286,11 @@ def test_the_previous_release_runs_beside_this_one_across_the_migration(
             assert migrated.stdout.startswith(f"schema at {SCHEMA_NEEDED}: "), migrated.stdout
             assert revision(owner) == SCHEMA_NEEDED
             rooms += seed(owner, 5)
-            wait_until(lambda: closed_and_published(owner, rooms), CLOSED_WITHIN, "closed, 0010")
+            wait_until(
+                lambda: closed_and_published(owner, rooms),
+                CLOSED_WITHIN,
+                f"closed, {SCHEMA_NEEDED}",
+            )
 
             # this release's worker joins; both reap and relay
             new.start()
@@ -284,7 +309,11 @@ def test_the_previous_release_runs_beside_this_one_across_the_migration(
             assert contracted.returncode == 0, contracted.stderr
             assert contracted.stdout.startswith(f"schema at {SCHEMA_KNOWN}: "), contracted.stdout
             rooms += seed(owner, 5)
-            wait_until(lambda: closed_and_published(owner, rooms), CLOSED_WITHIN, "closed, 0011")
+            wait_until(
+                lambda: closed_and_published(owner, rooms),
+                CLOSED_WITHIN,
+                f"closed, {SCHEMA_KNOWN}",
+            )
             # the relay's retention, as the worker's login, after the contract
             time.sleep(2)
         finally:
@@ -292,18 +321,26 @@ def test_the_previous_release_runs_beside_this_one_across_the_migration(
             new.stop()
         records = read_topic(kafka_broker, topic, expect=len(rooms))
         with owner.connect() as conn:
-            outbox = [row["payload"]["payload"]["conferenceId"] for row in f.outbox(conn)]
+            outbox = f.outbox(conn)
             statuses = f.statuses(conn)
     old_out, new_out = old.output(), new.output()
     assert not errors(old_out), errors(old_out)
     assert not errors(new_out), errors(new_out)
-    # every room closed once, its one event published once
+    # every room closed once, its one event published once: on Kafka once, and its
+    # row either marked published (the previous release) or gone (this one)
     assert all(statuses[room] == ("Ended", "EmptyTimeout") for room in rooms)
-    assert Counter(outbox) == Counter(set(rooms)) and len(outbox) == len(rooms)
+    assert all(row["published_at"] is not None for row in outbox)
+    left = Counter(row["payload"]["payload"]["conferenceId"] for row in outbox)
+    assert set(left) <= set(rooms) and max(left.values(), default=1) == 1
     on_kafka = Counter(r.value["payload"]["conferenceId"] for r in records)
     assert on_kafka == Counter(set(rooms)), "every event on Kafka, once"
-    # the previous release's worker ran its own package (it has no schema check)
-    assert '"schema.' not in old_out and '"schema.checked"' in new_out
+    # both releases' marks: some rows marked by the previous one's relay stay
+    assert left, "the previous release's relay marked none"
+    # each worker ran its own release's package: its check at start names its range
+    [old_check] = logged(old_out, "schema.checked")
+    [new_check] = logged(new_out, "schema.checked")
+    assert (old_check["revision"], old_check["knows"]) == (previous_head(), previous_head())
+    assert (new_check["needs"], new_check["knows"]) == (SCHEMA_NEEDED, SCHEMA_KNOWN)
     # both releases reaped while both ran (their own log lines)
     assert '"conference.reaped"' in old_out and '"conference.reaped"' in new_out
     assert '"relay.published"' in old_out and '"relay.published"' in new_out
@@ -318,20 +355,16 @@ def test_the_previous_release_runs_beside_this_one_across_the_migration(
 
 def test_this_release_refuses_the_previous_release_s_schema_in_one_line(previous_tree, tmp_path):
     """Rolled before `reaper migrate` ran: the CLI and the worker refuse, one line
-    and exit 3, no traceback; as the owner (the revision named) and as the
-    roles' logins (a database from before 0010 lets them read no revision)."""
+    and exit 3, no traceback; as the owner and as the roles' logins (the
+    previous release's schema has the record of 0010: they read the revision)."""
     with scratch_database() as (url, owner):
         done = previous_release(
             previous_tree, "-m", "reaper.cli", "migrate", env={"REAPER_DATABASE_URL": url}
         )
         assert done.returncode == 0, done.stderr
         older = (
-            "schema 0009 is older than this release needs (release 0.3.0 runs on 0010 to 0011):"
+            f"schema {previous_head()} is older than this release needs ({RANGE}):"
             " run reaper migrate"
-        )
-        unreadable = (
-            "schema before 0010 (no revision readable by this login) is older than this release"
-            " needs (release 0.3.0 runs on 0010 to 0011): run reaper migrate"
         )
         for command in (["status"], ["reap", "--once"], ["relay", "--once"], ["plan"]):
             refused = this_release(*command, env={"REAPER_DATABASE_URL": url})
@@ -345,7 +378,7 @@ def test_this_release_refuses_the_previous_release_s_schema_in_one_line(previous
             login(owner, url, "reaper_worker") as worker_url,
         ):
             refused = this_release("status", env={"REAPER_DATABASE_URL": operator_url})
-            assert (refused.returncode, refused.stderr) == (EXIT_SCHEMA, f"reaper: {unreadable}\n")
+            assert (refused.returncode, refused.stderr) == (EXIT_SCHEMA, f"reaper: {older}\n")
             worker = Worker(tmp_path, {"REAPER_DATABASE_URL": worker_url}, name="too-early")
             try:
                 with pytest.raises(RuntimeError, match=r"worker exited \(3\)"):
@@ -362,7 +395,7 @@ def test_this_release_refuses_the_previous_release_s_schema_in_one_line(previous
                 timeout=CALL_TIMEOUT,
             )
         for process, out, message in (
-            ("worker", worker.output(), unreadable),
+            ("worker", worker.output(), older),
             ("beat", beat.stdout + beat.stderr, older),
         ):
             ours = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -376,10 +409,12 @@ def test_this_release_refuses_the_previous_release_s_schema_in_one_line(previous
             assert conn.execute(text("SELECT count(*) FROM messenger.reaper_runs")).scalar() == 0
 
 
-def test_a_direct_delete_of_the_outbox_works_after_expand_and_is_refused_after_contract():
-    """Release 0.1.0's retention deletes outbox rows itself, as reaper_worker:
-    `reaper migrate` (expand) keeps that right, `reaper migrate --contract`
-    takes it (and refuses to run before the expand step)."""
+def test_an_earlier_release_s_contract_is_applied_by_this_release_s_migrate():
+    """Release 0.1.0's retention deletes outbox rows itself, as reaper_worker; 0.3.0's
+    expand step (0010) kept that right and its contract migration 0011 takes it.
+    From 0010, this release's `reaper migrate --contract` refuses to run before its
+    expand step, and `reaper migrate` applies 0011 with its own expand migrations
+    (0.3.0's workers, the last that needed the right, are gone by then)."""
     delete = (
         "DELETE FROM messenger.integration_outbox WHERE published_at < now() - interval '7 days'"
     )
@@ -387,23 +422,24 @@ def test_a_direct_delete_of_the_outbox_works_after_expand_and_is_refused_after_c
         env = {"REAPER_DATABASE_URL": url}
         from reaper.db import migrate
 
-        migrate(url, "0008")  # where release 0.1.0 left it
-        early = this_release("migrate", "--contract", env=env)
-        assert early.returncode == EXIT_SCHEMA and revision(owner) == "0008", early.stderr
-        assert "run reaper migrate, roll every worker to 0.3.0" in early.stderr
-        expanded = this_release("migrate", env=env)
-        assert expanded.returncode == 0, expanded.stderr
+        migrate(url, "0010")  # where release 0.3.0's `reaper migrate` left it
         with login(owner, url, "reaper_worker") as worker_url:
             worker = create_engine(worker_url)
             try:
                 with worker.begin() as conn:
                     conn.exec_driver_sql(delete)  # 0.1.0's retention: allowed
-                contracted = this_release("migrate", "--contract", env=env)
-                assert contracted.returncode == 0, contracted.stderr
-                assert revision(owner) == SCHEMA_KNOWN
+                early = this_release("migrate", "--contract", env=env)
+                assert early.returncode == EXIT_SCHEMA and revision(owner) == "0010", early.stderr
+                assert f"run reaper migrate, roll every worker to {version()}" in early.stderr
+                expanded = this_release("migrate", env=env)
+                assert expanded.returncode == 0, expanded.stderr
+                assert revision(owner) == SCHEMA_NEEDED
                 with pytest.raises(DBAPIError) as refused, worker.begin() as conn:
                     conn.exec_driver_sql(delete)
                 assert sqlstate(refused.value) == "42501"  # insufficient_privilege
+                contracted = this_release("migrate", "--contract", env=env)
+                assert contracted.returncode == 0, contracted.stderr
+                assert revision(owner) == SCHEMA_KNOWN
             finally:
                 worker.dispose()
 
@@ -419,11 +455,13 @@ def test_a_newer_schema_runs_when_compatible_and_is_refused_when_breaking():
         migrate(url)  # this release's head
         later = (
             "INSERT INTO messenger.reaper_migrations (revision, kind, release, compatible_from)"
-            " VALUES (:r, :k, '0.4.0', :c)"
+            " VALUES (:r, :k, '9.9.9', :c)"
         )
+        head = "UPDATE alembic_version SET version_num = :v"
+        k1, k2 = (f"{int(SCHEMA_KNOWN) + n:04d}" for n in (1, 2))
         with owner.begin() as conn:
-            conn.execute(text(later), {"r": "0012", "k": "expand", "c": SCHEMA_KNOWN})
-            conn.execute(text("UPDATE alembic_version SET version_num = '0012'"))
+            conn.execute(text(later), {"r": k1, "k": "expand", "c": SCHEMA_KNOWN})
+            conn.execute(text(head), {"v": k1})
         runs = this_release("status", "--json", env=env)
         assert runs.returncode == 0, runs.stderr
         assert json.loads(runs.stdout)["schema"]["state"] == "newer_compatible"
@@ -431,17 +469,17 @@ def test_a_newer_schema_runs_when_compatible_and_is_refused_when_breaking():
         assert (warning["event"], warning["level"], warning["revision"]) == (
             "schema.newer",
             "WARNING",
-            "0012",
+            k1,
         )
         with owner.begin() as conn:
-            conn.execute(text(later), {"r": "0013", "k": "contract", "c": "0012"})
-            conn.execute(text("UPDATE alembic_version SET version_num = '0013'"))
+            conn.execute(text(later), {"r": k2, "k": "contract", "c": k1})
+            conn.execute(text(head), {"v": k2})
         refused = this_release("status", env=env)
         assert (refused.returncode, refused.stdout) == (EXIT_SCHEMA, "")
         assert refused.stderr == (
-            "reaper: schema 0013 is newer than this release knows (release 0.3.0 runs on 0010"
-            " to 0011) and 0013 breaks it: run a release that knows 0013\n"
+            f"reaper: schema {k2} is newer than this release knows ({RANGE})"
+            f" and {k2} breaks it: run a release that knows {k2}\n"
         )
         # and migrate leaves a later release's schema alone
         left = this_release("migrate", env=env)
-        assert (left.returncode, left.stdout) == (0, "schema at 0013: nothing to apply\n")
+        assert (left.returncode, left.stdout) == (0, f"schema at {k2}: nothing to apply\n")

@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from reaper.cycle import Reaper
+from reaper.events import CycleResult
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.processes import run_cli
@@ -82,7 +83,7 @@ def test_a_leave_that_then_updates_its_room_goes_through(settings, engine):
     settings = settings.model_copy(update=UNGUARDED)
     rooms = stale_rooms(engine)
     held = rooms[0]
-    results: list[dict] = []
+    results: list[CycleResult] = []
     with f.leave_holding(engine, held["participant"]) as (command, tx):
         cycle = threading.Thread(
             target=lambda: results.append(Reaper(settings, engine=engine).run_cycle(T0))

@@ -20,12 +20,12 @@ import pytest
 from sqlalchemy import Engine, text
 
 from reaper.cycle import Reaper
-from reaper.events import CycleCompleted, PhaseFailed
+from reaper.events import CountKey, CycleCompleted, PhaseFailed
 from tests.support import factory as f
 from tests.support.facts import FactRecorder
 from tests.support.processes import ROOT, run_cli
 
-COUNTS = (
+COUNTS: tuple[CountKey, ...] = (
     "empty_timeout_count",
     "provision_failed_count",
     "stale_timeout_count",

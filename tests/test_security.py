@@ -103,6 +103,7 @@ TABLES = (
     "reaper_pauses",
     "reaper_tenant_policies",
     "reaper_migrations",
+    "outbox_discards",
 )
 EXPECTED_TABLE_PRIVILEGES = {
     "conference_sessions": {"SELECT"},
@@ -118,6 +119,8 @@ EXPECTED_TABLE_PRIVILEGES = {
     "reaper_tenant_policies": {"SELECT"},
     # the schema's record, read by the check at start (migration 0010)
     "reaper_migrations": {"SELECT"},
+    # read for messenger_outbox_discarded; only an operator discards (migration 0013)
+    "outbox_discards": {"SELECT"},
 }
 EXPECTED_UPDATE_COLUMNS = {
     "conference_sessions": {
@@ -152,6 +155,7 @@ EXPECTED_UPDATE_COLUMNS = {
     "reaper_pauses": set(),
     "reaper_tenant_policies": set(),
     "reaper_migrations": set(),
+    "outbox_discards": set(),
 }
 
 
@@ -444,7 +448,9 @@ def test_a_full_cycle_writes_and_emits_only_ids_and_no_secrets(
             problems += strict(body, event["event"], topic)
 
     with engine.connect() as conn:
-        integration = [r["payload"] for r in f.outbox(conn)]
+        # every integration_outbox row was deleted at its Kafka acknowledgement:
+        # its payload is the record's value, scanned below
+        left = f.outbox(conn)
         realtime = [r["payload"] for r in f.realtime(conn)]
         errors = (
             conn.execute(
@@ -456,6 +462,8 @@ def test_a_full_cycle_writes_and_emits_only_ids_and_no_secrets(
             .scalars()
             .all()
         )
+    assert left == []
+    integration = [record.value for record in records]
     for i, payload in enumerate(integration):
         problems += strict(payload, f"integration_outbox[{i}]", topic)
     for i, payload in enumerate(realtime):

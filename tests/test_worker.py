@@ -21,6 +21,7 @@ from reaper.celery_app import app
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.db import transaction
+from reaper.events import CycleResult
 from reaper.phases import EMPTY_ROOM, reap_batch
 from reaper.runs import Runs, holder
 from tests.support import factory as f
@@ -297,7 +298,7 @@ def test_two_runners_at_once_reap_each_room_exactly_once(database_url, engine):
     settings = Settings(database_url=database_url, batch_size=50)
     with engine.begin() as conn:
         f.bulk_conferences(conn, 2_000, as_of=f.T0)
-    results: list[dict] = []
+    results: list[CycleResult] = []
     runners = [
         threading.Thread(
             target=lambda: results.append(Reaper(settings, engine=engine).run_cycle(f.T0))
@@ -338,7 +339,7 @@ def test_runners_bypassing_the_lock_still_reap_each_room_once(database_url, engi
     def drain(index: int, holder_pid: int) -> None:
         while True:  # keep going until nothing is left for anyone
             with transaction(engine, budgets.batch(settings)) as queries:
-                outcome = reap_batch(
+                effect = reap_batch(
                     queries,
                     EMPTY_ROOM,
                     settings,
@@ -347,9 +348,9 @@ def test_runners_bypassing_the_lock_still_reap_each_room_once(database_url, engi
                     holder_pid=holder_pid,
                     excluded=[],
                 )
-            assert not outcome.fenced
-            per_runner[index] += len(outcome.reaped)
-            if not outcome.claimed and not outcome.locked:
+            assert not effect.fenced
+            per_runner[index] += len(effect.reaped)
+            if not effect.claimed and not effect.locked:
                 return
 
     with engine.connect() as lock, lock.begin():

@@ -19,7 +19,9 @@ F = TypeVar("F")
 ALL_FACTS = tuple(
     obj
     for obj in vars(events).values()
-    if isinstance(obj, type) and obj.__module__ == events.__name__ and obj is not events.Bus
+    if isinstance(obj, type)
+    and obj.__module__ == events.__name__
+    and obj not in (events.Bus, events.Logged)
 )
 
 

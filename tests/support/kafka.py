@@ -13,10 +13,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
+from reaper import kafka
+from reaper.config import Settings
 from tests.support.ports import free_port, wait_for_port
 
 TOPIC = "pin.messenger.conference-ended.v1"
@@ -152,3 +154,8 @@ class Tansu:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def get_producer(settings: Settings) -> KafkaProducer:
+    """This process's producer, as the relay takes it (reaper.kafka.process_slot)."""
+    return kafka.process_slot(settings).get()

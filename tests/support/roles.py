@@ -30,3 +30,24 @@ def login(
                 {"n": name},
             )
             conn.exec_driver_sql(f"DROP ROLE {name}")
+
+
+def function_grants(engine: Engine, function: str) -> tuple[bool, bool, bool, bool, list[str]]:
+    """Of a function (its regprocedure, e.g. ``messenger.f(uuid)``): whether
+    reaper_worker, reaper_operator and PUBLIC may execute it, whether it runs as
+    its definer, and its pinned settings (``proconfig``)."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT has_function_privilege('reaper_worker', CAST(:f AS regprocedure),"
+                "        'EXECUTE'),"
+                "       has_function_privilege('reaper_operator', CAST(:f AS regprocedure),"
+                "        'EXECUTE'),"
+                "       has_function_privilege('public', CAST(:f AS regprocedure), 'EXECUTE'),"
+                "       p.prosecdef, p.proconfig"
+                " FROM pg_proc p WHERE p.oid = CAST(:f AS regprocedure)"
+            ),
+            {"f": function},
+        ).one()
+    worker, operator, public, definer, config = row
+    return worker, operator, public, definer, config
