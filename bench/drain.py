@@ -21,12 +21,9 @@ from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.db import engine_for
 from reaper.events import Bus
+from reaper.phases import PHASES
 
-PHASE_KEYS = {
-    "empty_room": "empty_timeout_count",
-    "provision_timeout": "provision_failed_count",
-    "stale_live": "stale_timeout_count",
-}
+PHASE_KEYS = {name: phase.count_key for name, phase in PHASES.items()}
 
 # What both sides must have left behind, whatever the order they did it in.
 # Payloads are compared without the fields that are new per event or per run.

@@ -41,12 +41,22 @@ BIN = Path(sys.executable).parent
 def fresh_backlog(url: str, count: int) -> int:
     """The first ``count`` outbox rows (the drain's events) written anew as pending
     rows into a table analyzed empty, with autovacuum off (``autovacuum_back``
-    turns it on again): as an incident leaves the outbox, and it stays that way."""
+    turns it on again): as an incident leaves the outbox, and it stays that way.
+    The relay deletes what it sends, so the drain's events are kept aside
+    (``bench.outbox_written``) while the outbox holds them, and read from there."""
     conn = connect(url)
     with conn, conn.cursor() as cur:
+        cur.execute("SELECT count(*) FROM messenger.integration_outbox")
+        if one_row(cur)[0] >= count:  # the drain's events: keep them for the next runs
+            cur.execute("CREATE SCHEMA IF NOT EXISTS bench")
+            cur.execute("DROP TABLE IF EXISTS bench.outbox_written")
+            cur.execute(
+                "CREATE TABLE bench.outbox_written AS SELECT id AS position, event_id, topic,"
+                " message_key, payload FROM messenger.integration_outbox"
+            )
         cur.execute(
             "CREATE TEMP TABLE backlog ON COMMIT DROP AS SELECT event_id, topic, message_key,"
-            " payload FROM messenger.integration_outbox ORDER BY id LIMIT %s",
+            " payload FROM bench.outbox_written ORDER BY position LIMIT %s",
             (count,),
         )
         cur.execute("ALTER TABLE messenger.integration_outbox SET (autovacuum_enabled = false)")
@@ -113,9 +123,12 @@ def native_crc() -> bool:
     return util.crc32c_c is not None  # type: ignore[attr-defined, unused-ignore]
 
 
-def relay_once(url: str, bootstrap: str, topic: str, expected: int) -> dict[str, Any]:
-    """``reaper relay --once --json`` in its own process: its result, the pass's own
-    duration (``relay.completed``) and the whole process's wall time."""
+def relay_once(
+    url: str, bootstrap: str, topic: str, expected: int, command: list[str] | None = None
+) -> dict[str, Any]:
+    """``reaper relay --once --json`` (or ``command``, a variant of it) in its own
+    process: its result, the pass's own duration (``relay.completed``) and the whole
+    process's wall time."""
     env = {
         **os.environ,
         "REAPER_DATABASE_URL": url,
@@ -127,7 +140,7 @@ def relay_once(url: str, bootstrap: str, topic: str, expected: int) -> dict[str,
     }
     started = time.perf_counter()
     done = subprocess.run(
-        [str(BIN / "reaper"), "relay", "--once", "--json"],
+        command or [str(BIN / "reaper"), "relay", "--once", "--json"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -3,6 +3,8 @@
     .venv/bin/python bench/run.py            # full sizes (100k eligible behind 1M finished)
     .venv/bin/python bench/run.py --quick    # 10x smaller, a few minutes
     .venv/bin/python bench/run.py --tiny     # seconds; what tests/test_bench_smoke.py runs
+    .venv/bin/python bench/run.py --sustained [--quick | --tiny | --rooms N]
+                                             # the relay over nine incidents (bench/sustained.py)
 
 It seeds its own databases (``reaper_bench`` and ``reaper_bench_quiet`` by
 default: dropped and re-created, migrated with ``reaper.db.migrate``), measures
@@ -10,6 +12,9 @@ every figure against its baseline in the same run, and prints one table:
 figure, reaper, baseline, ratio, goal, pass/fail. ``--json PATH`` also writes
 the rows (and the raw numbers) as JSON. Both databases hold ``--policies N``
 tenant policies (default 1000, ``0`` for none; bench/seed.py POLICIES).
+``--charts DIR`` also draws the incident's closings and events on Kafka over
+time (``incident.png``; with ``--sustained``, the relay's rate per incident,
+``sustained.png``): bench/charts.py.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import baseline, drain, e2e, incident, seed  # noqa: E402
+from bench import baseline, charts, drain, e2e, incident, seed, sustained  # noqa: E402
 from bench import relay as bench_kafka  # noqa: E402
 from bench import worker as bench_worker  # noqa: E402
 from tests.support.kafka import Tansu, create_topic  # noqa: E402
@@ -80,6 +85,10 @@ SIZES = {
     ),
     "tiny": Sizes(600, 3_000, 300, 200, 50, quiet_runs=5, repeats=1, e2e_rooms=20, live_big=3_000),
 }
+
+
+# rooms an incident of the sustained run (bench/sustained.py), by size
+SUSTAINED_ROOMS = {"full": 50_000, "quick": 5_000, "tiny": 200}
 
 
 @dataclass
@@ -337,7 +346,8 @@ def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -
                 )
                 say(
                     f"relay {count:,}: {one_rate:,.0f} events/s (pass {ours['pass_s']:.2f}s,"
-                    f" process {ours['process_s']:.2f}s); kafka-python alone: {one_base:,.0f}/s"
+                    f" process {ours['process_s']:.2f}s); kafka-python alone: {one_base:,.0f}/s;"
+                    f" relay / kafka-python alone: {one_rate / one_base:.2f}x"
                 )
                 rate, base = max(rate, one_rate), max(base, one_base)
             rows.append(
@@ -391,20 +401,33 @@ def e2e_figures(url: str, workdir: Path, raw: dict, rooms: int) -> list[Row]:
     ]
 
 
-def incident_figure(url: str, sizes: Sizes, workdir: Path, raw: dict) -> Row:
+def incident_figure(
+    url: str, sizes: Sizes, workdir: Path, raw: dict, charts_dir: Path | None
+) -> Row:
     """Every eligible room at once under a real `worker -B` with Kafka: from the first
     closing to the last event on Kafka, over the first closing to the last closing."""
     result = incident.run(url, workdir, sizes.eligible, prepare=lambda: seed.reset_eligible(url))
+    closings, on_kafka = result.pop("closings"), result.pop("on_kafka")  # the chart's, not JSON
     raw["incident"] = result
     say(f"incident: {result}")
+    if charts_dir is not None:
+        charts_dir.mkdir(parents=True, exist_ok=True)
+        path = charts.incident_chart(
+            charts_dir / "incident.png",
+            closings,
+            on_kafka,
+            f"incident: {sizes.eligible:,} rooms on `celery -A reaper worker -B`",
+        )
+        say(f"chart: {path}")
     return Row(
         f"incident, {sizes.eligible:,} rooms on `worker -B`: to Kafka / to closed (s)",
         result["to_kafka_s"],
         result["to_closed_s"],
         "",
-        "<= 1.2x",
-        lambda r: r <= 1.2,
-        note="from the first closing: to the last event on Kafka / to the last closing",
+        "<= 1.1x",
+        lambda r: r <= 1.1,
+        note="from the first closing: to the last event on Kafka (its record's timestamp)"
+        " / to the last closing",
     )
 
 
@@ -430,11 +453,50 @@ def main(argv: list[str] | None = None) -> int:
         default=1000,
         help="tenant policies in both seeded databases (default 1000; 0: none)",
     )
+    parser.add_argument("--charts", type=Path, help="also draw the charts (PNG) into this folder")
+    parser.add_argument(
+        "--sustained",
+        action="store_true",
+        help="the relay over nine incidents through one outbox instead (bench/sustained.py)",
+    )
+    parser.add_argument(
+        "--rooms",
+        type=int,
+        help="--sustained: rooms an incident (default 50,000; --quick 5,000; --tiny 200)",
+    )
+    parser.add_argument(
+        "--vacuum-between",
+        action="store_true",
+        help="--sustained: a VARIANT with a plain VACUUM of the outbox after each incident",
+    )
+    parser.add_argument(
+        "--baseline-marking",
+        action="store_true",
+        help="--sustained: the same incidents again with 0.3.0's marking relay, as a baseline",
+    )
     args = parser.parse_args(argv)
     if not args.database.startswith("reaper_bench"):
         parser.error("--database must start with reaper_bench (it is dropped and re-created)")
     size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
     sizes = SIZES[size_name]
+    if args.sustained:
+        rooms = args.rooms or SUSTAINED_ROOMS[size_name]
+        workdir = Path(tempfile.mkdtemp(prefix="reaper-bench-"))
+        sustained.run(
+            f"{PG}/{args.database}_sustained",
+            rooms,
+            datetime.now(UTC).replace(microsecond=0),
+            workdir,
+            charts_dir=args.charts,
+            json_path=args.json,
+            vacuum_between=args.vacuum_between,
+            baseline_marking=args.baseline_marking,
+            drop=args.drop,
+            say=say,
+        )
+        return 0
+    if args.rooms or args.vacuum_between or args.baseline_marking:
+        parser.error("--rooms, --vacuum-between and --baseline-marking go with --sustained")
     only = set(args.only.split(","))
     big_url = f"{PG}/{args.database}"
     small_url = f"{PG}/{args.database}_quiet"
@@ -485,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             b1000 = next((r.reaper for r in drains if "batch 1000 " in r.figure), None)
             rows += [r.settle() for r in memory_figure(big_url, sizes, workdir, raw, b1000)]
         if "incident" in only:
-            rows.append(incident_figure(big_url, sizes, workdir, raw).settle())
+            rows.append(incident_figure(big_url, sizes, workdir, raw, args.charts).settle())
         if "e2e" in only:
             rows += e2e_figures(big_url, workdir, raw, rooms=sizes.e2e_rooms)
     finally:

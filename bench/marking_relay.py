@@ -1,0 +1,31 @@
+"""``reaper relay --once --json`` with release 0.3.0's acknowledgement, for the
+sustained run's baseline only (bench/sustained.py ``--baseline-marking``).
+
+    .venv/bin/python -m bench.marking_relay   # from the repository's root
+
+Everything is this release's relay but the acknowledgement: each sent row is
+marked (``UPDATE ... SET published_at``, 0.3.0's ``mark_outbox_published``, as
+bench/outbox_ab.py measures it per batch) instead of deleted, so its row stays
+in the outbox with a new version and new index entries, as it did until 0.4.0.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sqlalchemy import text
+
+from bench.outbox_ab import MARK_PUBLISHED
+from reaper import cli
+from reaper.queries import Queries
+
+
+def mark_published(self: Queries, ids: list[int]) -> int:
+    """0.3.0's acknowledgement: the rows marked published, not deleted."""
+    return int(self.conn.execute(text(MARK_PUBLISHED), {"ids": ids}).rowcount)
+
+
+if __name__ == "__main__":
+    # the one change: every acknowledgement this process makes marks instead
+    Queries.acknowledge_outbox = mark_published  # type: ignore[method-assign]
+    sys.exit(cli.main(["relay", "--once", "--json"]))

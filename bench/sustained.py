@@ -1,0 +1,443 @@
+"""The relay sustained: incident after incident through one outbox (issue 24).
+
+    .venv/bin/python bench/run.py --sustained            # 9 incidents of 50,000 rooms
+    .venv/bin/python bench/run.py --sustained --quick    # of 5,000 rooms
+    .venv/bin/python bench/run.py --sustained --rooms N  # of N rooms
+
+Its own database (``<--database>_sustained``: dropped, re-created, migrated)
+holds the bench's eligible rooms (bench/seed.py). Each incident puts them back
+and closes them with the reaper's own cycles (``Reaper.run_cycle``, in this
+process, at the default batch size): each closing writes its outbox row in its
+batch's statement, as in production. Then ``reaper relay --once`` sends the
+backlog to a private Tansu broker and deletes each row at its acknowledgement
+(``messenger.acknowledge_outbox``). The outbox is never truncated, vacuumed or
+analyzed by the bench between incidents (only with ``--vacuum-between``, a
+variant reported as such), so whatever the deletes leave behind stays for
+the next incident, as it would on a cluster where nothing vacuums in time.
+
+Six incidents one after another, then three more while another session of the
+same database holds a ``REPEATABLE READ`` snapshot open (its horizon keeps every
+deleted row version, and their index entries, alive). Per incident: the relay's
+rate (events over the pass's own ``duration_ms``), its ratio to the first
+incident's, the outbox's size (``pg_total_relation_size``) and its dead tuples
+(``pg_stat_user_tables.n_dead_tup``). The goals, each printed PASS or FAIL:
+
+* the sixth incident's rate >= 0.9x the first's;
+* each held-snapshot incident's rate >= 0.7x the first's;
+* the outbox after six incidents <= 369 MiB: half of 739 MiB, the outbox of
+  release 0.3.0's marking relay after six incidents of 50,000 rooms (a run
+  with fewer rooms is held to it in proportion: its size times 50,000 / rooms).
+
+Whether autovacuum runs on the cluster is printed too: where it is off (CI's
+cluster), the deleted rows' versions stay until a VACUUM, and the size is what
+the deletes cost with no vacuum at all.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+
+from bench import charts, drain, seed
+from bench import relay as bench_kafka
+from bench.seed import connect, one_row
+from reaper.config import Settings
+from tests.support.kafka import Tansu, create_topic
+
+INCIDENTS = 6
+POLICIES = 1000  # as bench/run.py's default
+HELD_INCIDENTS = 3
+SIXTH_FLOOR = 0.9
+HELD_FLOOR = 0.7
+# half of 0.3.0's outbox after six incidents of 50,000 rooms (739 MiB)
+SIZE_LIMIT_MIB = 369.0
+SIZE_ROOMS = 50_000
+
+# The eligible rooms put back as seeded (bench/seed.py's copy in the bench schema);
+# unlike seed.RESET_ELIGIBLE, the integration outbox is left as the last relay
+# pass left it: the point of the run.
+PUT_BACK = f"""
+SET session_replication_role = replica;
+TRUNCATE messenger.realtime_outbox RESTART IDENTITY;
+DELETE FROM messenger.conference_participants
+    WHERE conference_id IN (SELECT id FROM bench.sessions);
+DELETE FROM messenger.call_recordings WHERE conference_id IN (SELECT id FROM bench.sessions);
+DELETE FROM messenger.conference_sessions WHERE id IN (SELECT id FROM bench.sessions);
+INSERT INTO messenger.conference_sessions ({seed.SESSION_COLUMNS})
+    SELECT {seed.SESSION_COLUMNS} FROM bench.sessions ORDER BY g;
+INSERT INTO messenger.conference_participants (conference_id, user_id, joined_at, left_at)
+    SELECT conference_id, user_id, joined_at, left_at FROM bench.participants;
+INSERT INTO messenger.call_recordings (id, conference_id, status, created_at, updated_at)
+    SELECT id, conference_id, status, created_at, created_at FROM bench.recordings;
+SET session_replication_role = DEFAULT;
+"""
+
+# every seeded table but the integration outbox
+ROOM_TABLES = tuple(t for t in seed.TABLES if t != "messenger.integration_outbox")
+
+OUTBOX_STATE = """
+SELECT pg_total_relation_size('messenger.integration_outbox'),
+       (SELECT n_dead_tup FROM pg_stat_user_tables
+         WHERE relid = 'messenger.integration_outbox'::regclass),
+       (SELECT count(*) FROM messenger.integration_outbox
+         WHERE published_at IS NULL AND parked_at IS NULL)
+"""
+
+# the rows still to send (the marking baseline's sent rows stay, marked)
+PENDING = """
+SELECT count(*) FROM messenger.integration_outbox WHERE published_at IS NULL AND parked_at IS NULL
+"""
+
+
+@dataclass
+class Incident:
+    number: int
+    held_snapshot: bool
+    rooms: int
+    events: int
+    drain_s: float
+    relay_pass_s: float
+    relay_per_s: float
+    outbox_bytes: int
+    dead_tuples: int
+    rows_left: int
+    vacuumed_after: bool = False
+    ratio: float = 0.0
+
+
+@dataclass
+class Goal:
+    text: str
+    value: str
+    passed: bool
+
+    def line(self) -> str:
+        return f"GOAL {self.text}: {self.value} {'PASS' if self.passed else 'FAIL'}"
+
+
+def put_back(url: str) -> None:
+    """The eligible rooms as seeded again; the room tables vacuumed and analyzed (never
+    the outbox)."""
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute(PUT_BACK)
+    conn.close()
+    conn = connect(url)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f"VACUUM (ANALYZE) {', '.join(ROOM_TABLES)}")
+    conn.close()
+
+
+def autovacuum_setting(url: str) -> str:
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("SHOW autovacuum")
+        (value,) = one_row(cur)
+    conn.close()
+    return str(value)
+
+
+def outbox_state(url: str) -> tuple[int, int, int]:
+    """The outbox's size in bytes, its dead tuples and its pending rows. The relay's process
+    has exited, so its statistics are flushed; a short wait lets them land."""
+    time.sleep(0.5)
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT pg_stat_force_next_flush()")  # this session's own counts
+        cur.execute("SELECT pg_stat_clear_snapshot()")  # read them fresh, not cached
+        cur.execute(OUTBOX_STATE)
+        size, dead, rows = one_row(cur)
+    conn.close()
+    return int(size), int(dead or 0), int(rows)
+
+
+def vacuum_outbox(url: str) -> None:
+    conn = connect(url)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("VACUUM messenger.integration_outbox")
+    conn.close()
+
+
+def hold_snapshot(url: str) -> psycopg2.extensions.connection:
+    """A second session with a REPEATABLE READ snapshot taken and kept: until it is
+    closed, no row version deleted after it can be removed (a report or a backup
+    in the same database would do this)."""
+    conn = connect(url)
+    conn.autocommit = True  # the BEGIN below is ours, not psycopg2's
+    with conn.cursor() as cur:
+        cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        cur.execute("SELECT 1")  # the snapshot is taken at the first statement
+        pid = conn.get_backend_pid()
+    # seen from another session: the holder's snapshot is what holds the horizon back
+    check = connect(url)
+    with check, check.cursor() as cur:
+        cur.execute("SELECT backend_xmin IS NOT NULL FROM pg_stat_activity WHERE pid = %s", (pid,))
+        (holds,) = one_row(cur)
+    check.close()
+    if not holds:
+        conn.close()
+        raise RuntimeError("the second session holds no snapshot")
+    return conn
+
+
+def one_incident(
+    url: str,
+    number: int,
+    rooms: int,
+    as_of: datetime,
+    bootstrap: str,
+    topic: str,
+    held: bool,
+    batch_size: int,
+    marking: bool = False,
+) -> Incident:
+    put_back(url)
+    counts, drain_s = drain.reaper_drain(url, as_of, batch_size, rooms)
+    closed = sum(counts.values())
+    if closed != rooms:
+        raise RuntimeError(f"incident {number}: {closed} of {rooms} rooms closed")
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute(PENDING)
+        (events,) = one_row(cur)
+    conn.close()
+    command = [sys.executable, "-m", "bench.marking_relay"] if marking else None
+    ours = bench_kafka.relay_once(url, bootstrap, topic, int(events), command)
+    size, dead, left = outbox_state(url)
+    if left:
+        raise RuntimeError(f"incident {number}: {left} outbox rows pending after the relay")
+    return Incident(
+        number=number,
+        held_snapshot=held,
+        rooms=closed,
+        events=int(events),
+        drain_s=drain_s,
+        relay_pass_s=ours["pass_s"],
+        relay_per_s=int(events) / ours["pass_s"],
+        outbox_bytes=size,
+        dead_tuples=dead,
+        rows_left=left,
+    )
+
+
+def goals(incidents: list[Incident], rooms: int) -> list[Goal]:
+    first = incidents[0].relay_per_s
+    sixth = incidents[INCIDENTS - 1]
+    out = [
+        Goal(
+            f"incident {INCIDENTS}'s relay rate >= {SIXTH_FLOOR:g}x the first's",
+            f"{sixth.relay_per_s / first:.2f}x",
+            sixth.relay_per_s / first >= SIXTH_FLOOR,
+        )
+    ]
+    for inc in incidents[INCIDENTS:]:
+        out.append(
+            Goal(
+                f"incident {inc.number} (held snapshot)'s relay rate"
+                f" >= {HELD_FLOOR:g}x the first's",
+                f"{inc.relay_per_s / first:.2f}x",
+                inc.relay_per_s / first >= HELD_FLOOR,
+            )
+        )
+    mib = sixth.outbox_bytes / 2**20
+    # The limit is 0.3.0's figure at 50,000 rooms an incident; a smaller run is held
+    # to it in proportion (with nothing vacuumed, the table grows with its events).
+    scale = SIZE_ROOMS / rooms
+    value = f"{mib:.1f} MiB" if scale == 1 else f"{mib:.1f} MiB, x{scale:g} = {mib * scale:.0f} MiB"
+    out.append(
+        Goal(
+            f"outbox after {INCIDENTS} incidents <= {SIZE_LIMIT_MIB:g} MiB"
+            f" at {SIZE_ROOMS:,} rooms an incident (half of 0.3.0's 739 MiB)",
+            value,
+            mib * scale <= SIZE_LIMIT_MIB,
+        )
+    )
+    return out
+
+
+def report(
+    incidents: list[Incident], found: list[Goal], rooms: int, autovacuum: str, vacuum: bool
+) -> str:
+    lines = [
+        f"sustained relay: {len(incidents)} incidents of {rooms:,} rooms through one outbox"
+        f" (cluster autovacuum: {autovacuum})",
+    ]
+    if vacuum:
+        lines.append(
+            "VARIANT --vacuum-between: a plain VACUUM of the outbox after each incident's"
+            " figures (not the reaper's own behaviour)"
+        )
+    header = ("incident", "snapshot", "events", "relay events/s", "vs first", "outbox", "dead tup")
+    body = [
+        (
+            str(inc.number),
+            "held" if inc.held_snapshot else "-",
+            f"{inc.events:,}",
+            f"{inc.relay_per_s:,.0f}",
+            f"{inc.ratio:.2f}x",
+            f"{inc.outbox_bytes / 2**20:.1f} MiB",
+            f"{inc.dead_tuples:,}",
+        )
+        for inc in incidents
+    ]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines.append(" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    lines.append("-+-".join("-" * w for w in widths))
+    lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    lines += [goal.line() for goal in found]
+    if autovacuum != "on" and not vacuum:
+        lines.append(
+            "note: autovacuum is off on this cluster: the deleted rows' versions stay until a"
+            " VACUUM, so the outbox's size and dead tuples are what no vacuum at all leaves"
+            " (0012's thresholds for the outbox apply where autovacuum is on)"
+        )
+    return "\n".join(lines)
+
+
+def series(
+    url: str,
+    rooms: int,
+    as_of: datetime,
+    *,
+    vacuum_between: bool,
+    drop: bool,
+    say: Any,
+    marking: bool = False,
+) -> tuple[list[Incident], str]:
+    """Nine incidents on a database of their own: the incidents, the cluster's autovacuum."""
+    batch_size = Settings(database_url=url).batch_size  # the reaper's default
+    seed.recreate(url)
+    # healthy live rooms beside them, as bench/run.py seeds: the mass-closure guard
+    # weighs the stale live rooms against every Active one
+    seed.seed_live(url, max(rooms // 2, 100), as_of)
+    seed.seed_eligible(url, rooms, as_of)
+    # the bench's tenant policies: with them every seeded room is eligible at as_of
+    # (bench/seed.py POLICIES), the stuck provisioning ones included
+    seed.seed_policies(url, POLICIES)
+    autovacuum = autovacuum_setting(url)
+    broker = Tansu().start()
+    topic = f"bench.sustained.{uuid.uuid4().hex[:8]}"
+    incidents: list[Incident] = []
+    holder: psycopg2.extensions.connection | None = None
+    label = "marking baseline" if marking else "sustained"
+    try:
+        create_topic(broker.bootstrap, topic)
+        # one pass over the empty outbox first: the broker's topic, the database's
+        # catalogs and the relay's statements are warm for the first incident, whose
+        # rate every other incident is held to
+        bench_kafka.relay_once(url, broker.bootstrap, topic, 0)
+        for number in range(1, INCIDENTS + HELD_INCIDENTS + 1):
+            held = number > INCIDENTS
+            if held and holder is None:
+                holder = hold_snapshot(url)
+            inc = one_incident(
+                url, number, rooms, as_of, broker.bootstrap, topic, held, batch_size, marking
+            )
+            first = incidents[0].relay_per_s if incidents else inc.relay_per_s
+            inc.ratio = inc.relay_per_s / first
+            if vacuum_between:
+                vacuum_outbox(url)  # after the figures: the next incident meets it vacuumed
+                inc.vacuumed_after = True
+            incidents.append(inc)
+            say(
+                f"{label} incident {number}{' (held snapshot)' if held else ''}:"
+                f" {inc.events:,} events, relay {inc.relay_per_s:,.0f}/s ({inc.ratio:.2f}x),"
+                f" outbox {inc.outbox_bytes / 2**20:.1f} MiB, {inc.dead_tuples:,} dead tuples"
+            )
+    finally:
+        if holder is not None:
+            holder.close()
+        broker.stop()
+        if drop:
+            seed.drop(url)
+    return incidents, autovacuum
+
+
+def run(
+    url: str,
+    rooms: int,
+    as_of: datetime,
+    workdir: Path,
+    *,
+    charts_dir: Path | None = None,
+    json_path: Path | None = None,
+    vacuum_between: bool = False,
+    baseline_marking: bool = False,
+    drop: bool = False,
+    say: Any = print,
+) -> list[Goal]:
+    """The whole sustained run; prints its table and goals, returns the goals. With
+    ``baseline_marking`` the same nine incidents again on a second database
+    (``<url>_marking``) with 0.3.0's marking relay, printed after, as a baseline."""
+    drain.log_to(workdir / "reaper-sustained.log")
+    incidents, autovacuum = series(
+        url, rooms, as_of, vacuum_between=vacuum_between, drop=drop, say=say
+    )
+    found = goals(incidents, rooms)
+    print(report(incidents, found, rooms, autovacuum, vacuum_between))
+    marked: list[Incident] = []
+    if baseline_marking:
+        marked, _ = series(
+            f"{url}_marking",
+            rooms,
+            as_of,
+            vacuum_between=vacuum_between,
+            drop=drop,
+            say=say,
+            marking=True,
+        )
+        print(baseline_report(incidents, marked))
+    if charts_dir is not None:
+        charts_dir.mkdir(parents=True, exist_ok=True)
+        path = charts.sustained_chart(
+            charts_dir / "sustained.png",
+            [inc.relay_per_s for inc in incidents],
+            [inc.held_snapshot for inc in incidents],
+            f"relay per incident, {rooms:,} rooms each, one outbox"
+            + (" (VACUUM between)" if vacuum_between else ""),
+            baseline=[inc.relay_per_s for inc in marked],
+        )
+        print(f"chart: {path}")
+    if json_path is not None:
+        json_path.write_text(
+            json.dumps(
+                {
+                    "rooms": rooms,
+                    "autovacuum": autovacuum,
+                    "vacuum_between": vacuum_between,
+                    "incidents": [asdict(inc) for inc in incidents],
+                    "goals": [asdict(goal) for goal in found],
+                    "marking_baseline": [asdict(inc) for inc in marked],
+                },
+                indent=2,
+            )
+        )
+    return found
+
+
+def baseline_report(deleting: list[Incident], marking: list[Incident]) -> str:
+    """The deleting relay (this release) against 0.3.0's marking one, incident by incident."""
+    lines = [
+        "BASELINE: the same incidents with 0.3.0's marking relay (UPDATE published_at;"
+        " bench/marking_relay.py), on a database of its own",
+        "incident | delete events/s | mark events/s | delete/mark | delete outbox"
+        " | mark outbox | delete/mark",
+    ]
+    for d, m in zip(deleting, marking, strict=True):
+        lines.append(
+            f"{d.number}{' held' if d.held_snapshot else ''} | {d.relay_per_s:,.0f}"
+            f" | {m.relay_per_s:,.0f} | {d.relay_per_s / m.relay_per_s:.2f}x"
+            f" | {d.outbox_bytes / 2**20:.1f} MiB | {m.outbox_bytes / 2**20:.1f} MiB"
+            f" | {d.outbox_bytes / m.outbox_bytes:.2f}x"
+        )
+    return "\n".join(lines)
