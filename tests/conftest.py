@@ -46,6 +46,9 @@ from reaper.db import dispose_engines, engine_for, migrate  # noqa: E402
 from tests.support.facts import FactRecorder  # noqa: E402
 from tests.support.ports import reachable  # noqa: E402
 
+# How the suite runs in several processes, and the figures it reports.
+pytest_plugins = ("tests.support.runner",)
+
 TABLES = (
     "messenger.reaper_pauses",
     "messenger.reaper_tenant_policies",

@@ -17,6 +17,7 @@ import pytest
 
 from reaper.clock import parse_time, rfc3339
 from tests.support import factory as f
+from tests.support.figures import figure
 from tests.support.ports import free_port
 from tests.support.processes import CELERY, ROOT, Worker, run_cli, wait_until
 from tests.support.services import scrape
@@ -54,8 +55,8 @@ def test_a_fast_worker_clock_closes_no_room_in_use(engine):
     assert abs((parse_time(result["as_of"]) - f.db_now(engine)).total_seconds()) < 10
     [skew] = [e for e in json_lines(done.stderr) if e["event"] == "clock.skew"]
     assert skew["level"] == "WARNING" and 115 < skew["skew_seconds"] < 125
-    print(
-        f"\n[figures] worker clock +120 s: skew measured {skew['skew_seconds']} s; as_of kept "
+    figure(
+        f"worker clock +120 s: skew measured {skew['skew_seconds']} s; as_of kept "
         "to the database's clock; a room idle 30 s left alone"
     )
 

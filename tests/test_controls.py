@@ -17,6 +17,7 @@ from reaper.overview import plan
 from reaper.wiring import Gauges
 from tests.support import factory as f
 from tests.support.facts import count_events
+from tests.support.figures import figure
 from tests.support.processes import Worker, run_cli, wait_until
 
 
@@ -158,10 +159,7 @@ def test_a_pause_is_seen_by_a_second_replica_within_one_cycle(engine, tmp_path):
         for worker in replicas:
             worker.stop()
     assert took < 10, took
-    print(
-        f"\n[figures] pause seen by both replicas; the room closed {took:.1f}s after resume "
-        "(interval 1 s)"
-    )
+    figure(f"pause seen by both replicas; the room closed {took:.1f}s after resume (interval 1 s)")
 
 
 @pytest.mark.process

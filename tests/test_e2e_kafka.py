@@ -17,6 +17,7 @@ from sqlalchemy import Engine, text
 from tests.conftest import BIN, ROOT
 from tests.support import factory as f
 from tests.support.facts import output_events
+from tests.support.figures import figure
 from tests.support.kafka import create_topic, read_topic
 from tests.support.ports import free_port
 from tests.support.processes import Worker, wait_until
@@ -96,16 +97,14 @@ def test_seeded_empty_room_reaches_kafka_right_after_its_cycle(engine, kafka_bro
         r.timestamp_ms / 1000 - written[r.value["payload"]["conferenceId"]].timestamp()
         for r in records
     ]
-    print(
-        "\n[figures] reap commit -> record on Kafka (worker -B, relay enqueued by the cycle): "
+    figure(
+        "reap commit -> record on Kafka (worker -B, relay enqueued by the cycle): "
         f"sent after median {statistics.median(to_record) * 1000:.0f} ms "
         f"(max {max(to_record) * 1000:.0f} ms), n={len(records)}"
     )
 
 
-def test_a_drains_events_reach_kafka_while_it_still_closes_rooms(
-    engine, kafka_broker, tmp_path, capsys
-):
+def test_a_drains_events_reach_kafka_while_it_still_closes_rooms(engine, kafka_broker, tmp_path):
     """The relay's beat interval is an hour and the drain is one long cycle (a
     batch of 10, one lane): only the relay passes its batches ask for can put
     events on Kafka before its last closing; at its end alone they would all
@@ -135,13 +134,12 @@ def test_a_drains_events_reach_kafka_while_it_still_closes_rooms(
     assert closings[-1] - closings[0] > 2.0, closings[-1] - closings[0]
     before_last = sum(1 for t in on_kafka if t < closings[-1])
     assert on_kafka[0] < closings[-1] and before_last > 0
-    with capsys.disabled():
-        print(
-            f"\n[figures] drain of {rooms} rooms in {closings[-1] - closings[0]:.1f}s (relay"
-            f" tick an hour): first event on Kafka {on_kafka[0] - closings[0]:.1f}s after the"
-            f" first closing, {before_last} of {rooms} on Kafka before the last closing, the"
-            f" last {on_kafka[-1] - closings[-1]:.1f}s after it"
-        )
+    figure(
+        f"drain of {rooms} rooms in {closings[-1] - closings[0]:.1f}s (relay"
+        f" tick an hour): first event on Kafka {on_kafka[0] - closings[0]:.1f}s after the"
+        f" first closing, {before_last} of {rooms} on Kafka before the last closing, the"
+        f" last {on_kafka[-1] - closings[-1]:.1f}s after it"
+    )
 
 
 def test_beat_relays_rows_without_a_cycle(engine, kafka_broker, tmp_path):

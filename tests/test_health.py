@@ -29,6 +29,7 @@ from reaper.queries import Queries
 from reaper.release import SCHEMA_KNOWN, SCHEMA_NEEDED, version
 from tests.support import factory as f
 from tests.support.facts import output_events
+from tests.support.figures import figure
 from tests.support.ports import free_port
 from tests.support.processes import CELERY, ROOT, Worker, children, wait_until
 
@@ -157,11 +158,11 @@ def test_healthz_turns_503_when_the_embedded_beat_dies(engine, tmp_path):
         wait_until(lambda: healthz(port)[0] == 200, 30, "healthy after a cycle by hand")
     finally:
         worker.stop()
-    print(f"\n[figures] /healthz 503 {took:.1f}s after the embedded beat died (interval 1 s)")
+    figure(f"/healthz 503 {took:.1f}s after the embedded beat died (interval 1 s)")
 
 
 def test_a_foreign_session_on_the_run_lock_turns_healthz_503_and_back(
-    engine, database_url, tmp_path, capsys
+    engine, database_url, tmp_path
 ):
     interval = 2.0
     limit = CLOSING_INTERVALS * interval
@@ -228,15 +229,14 @@ def test_a_foreign_session_on_the_run_lock_turns_healthz_503_and_back(
         worker.stop()
     skipped = output_events(worker.output(), "cycle.skipped")
     assert any(e.get("holder_pid") == pid for e in skipped)
-    with capsys.disabled():
-        print(
-            f"\n[figures] foreign session on the run lock (interval {interval:g} s, limit"
-            f" {CLOSING_INTERVALS} intervals): /healthz 503 {to_503:.1f}s after the lock was"
-            f" taken, 200 {to_200:.1f}s after it was released"
-        )
+    figure(
+        f"foreign session on the run lock (interval {interval:g} s, limit"
+        f" {CLOSING_INTERVALS} intervals): /healthz 503 {to_503:.1f}s after the lock was"
+        f" taken, 200 {to_200:.1f}s after it was released"
+    )
 
 
-def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path, capsys):
+def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path):
     """Two workers on one database and broker: one runs a cycle while the
     other's ticks find the run taken and are skipped. Neither is unhealthy."""
     interval = 2.0
@@ -277,12 +277,11 @@ def test_skipped_ticks_of_a_replica_keep_healthz_200(engine, tmp_path, capsys):
     completed = [len(output_events(log, "cycle.completed")) for log in logs]
     # both replicas were the skipping one at times, or the test proves nothing
     assert all(skipped) and sum(completed) > 0, (skipped, completed)
-    with capsys.disabled():
-        print(
-            f"\n[figures] two replicas, interval {interval:g} s: {len(answers)} /healthz"
-            f" answers, all 200; cycles completed a/b {completed[0]}/{completed[1]},"
-            f" skipped a/b {skipped[0]}/{skipped[1]}"
-        )
+    figure(
+        f"two replicas, interval {interval:g} s: {len(answers)} /healthz"
+        f" answers, all 200; cycles completed a/b {completed[0]}/{completed[1]},"
+        f" skipped a/b {skipped[0]}/{skipped[1]}"
+    )
 
 
 class Blackhole:
@@ -316,7 +315,7 @@ def threads_of(pid: int) -> int:
     return int(next(line for line in status.splitlines() if line.startswith("Threads:")).split()[1])
 
 
-def test_healthz_answers_within_its_budget_when_the_database_never_answers(tmp_path, capsys):
+def test_healthz_answers_within_its_budget_when_the_database_never_answers(tmp_path):
     budget = HEALTH.total_seconds()
     hole = Blackhole()
     port = free_port()
@@ -346,9 +345,8 @@ def test_healthz_answers_within_its_budget_when_the_database_never_answers(tmp_p
     assert max(took) < budget + 1, took
     # one read of the database in flight at a time, however many answers waited for it
     assert max(threads) - min(threads) <= 1, threads
-    with capsys.disabled():
-        print(
-            f"\n[figures] database accepting and never answering: /healthz answered in"
-            f" {min(took):.2f}-{max(took):.2f}s (budget {budget:g}s), worker threads"
-            f" {min(threads)}-{max(threads)}"
-        )
+    figure(
+        f"database accepting and never answering: /healthz answered in"
+        f" {min(took):.2f}-{max(took):.2f}s (budget {budget:g}s), worker threads"
+        f" {min(threads)}-{max(threads)}"
+    )

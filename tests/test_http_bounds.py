@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy import text
 
 from reaper.endpoint import HEALTH_THREADS, MAX_GATHERING, METRICS_THREADS, REQUEST_TIMEOUT_S
+from tests.support.figures import figure
 from tests.support.ports import free_port
 from tests.support.processes import Worker, wait_until
 
@@ -88,7 +89,7 @@ def metrics_worker(tmp_path: Path, name: str, interval: int = 1) -> tuple[Worker
     return Worker(tmp_path, env, name=name).start(), port
 
 
-def test_idle_and_trickling_clients_hold_no_thread_and_block_no_scrape(engine, tmp_path, capsys):
+def test_idle_and_trickling_clients_hold_no_thread_and_block_no_scrape(engine, tmp_path):
     assert IDLE + TRICKLING < MAX_GATHERING  # all of them wait for their own timeout
     worker, port = metrics_worker(tmp_path, "http-bounds")
     assert worker.proc is not None
@@ -143,18 +144,17 @@ def test_idle_and_trickling_clients_hold_no_thread_and_block_no_scrape(engine, t
         for sock in crowd:
             sock.close()
         worker.stop()
-    with capsys.disabled():
-        print(
-            f"\n[figures] {IDLE} idle + {TRICKLING} trickling connections: /metrics answered in"
-            f" {metrics_took:.2f}s, /healthz in {health_took:.2f}s; worker threads {baseline}"
-            f" -> {during} ({METRICS_THREADS} + {HEALTH_THREADS} handlers); all closed by the"
-            f" server {first_closed:.1f}-{since_open:.1f}s after they opened (timeout"
-            f" {REQUEST_TIMEOUT_S:g}s); {MAX_GATHERING + 20} idle at once: /metrics in"
-            f" {flood_took:.2f}s, the 20 oldest closed at once"
-        )
+    figure(
+        f"{IDLE} idle + {TRICKLING} trickling connections: /metrics answered in"
+        f" {metrics_took:.2f}s, /healthz in {health_took:.2f}s; worker threads {baseline}"
+        f" -> {during} ({METRICS_THREADS} + {HEALTH_THREADS} handlers); all closed by the"
+        f" server {first_closed:.1f}-{since_open:.1f}s after they opened (timeout"
+        f" {REQUEST_TIMEOUT_S:g}s); {MAX_GATHERING + 20} idle at once: /metrics in"
+        f" {flood_took:.2f}s, the 20 oldest closed at once"
+    )
 
 
-def test_healthz_answers_while_scrapes_wait_on_the_database(engine, tmp_path, capsys):
+def test_healthz_answers_while_scrapes_wait_on_the_database(engine, tmp_path):
     # cycles fail while the table is locked: an interval long enough for
     # /healthz to stay 200 meanwhile, so the answer is checked whole
     worker, port = metrics_worker(tmp_path, "http-stuck-scrapes", interval=5)
@@ -176,8 +176,7 @@ def test_healthz_answers_while_scrapes_wait_on_the_database(engine, tmp_path, ca
         assert all(code == 200 for code, _ in answered)
     finally:
         worker.stop()
-    with capsys.disabled():
-        print(
-            f"\n[figures] {scrapes} scrapes waiting on a locked table: /healthz answered in"
-            f" {health_took:.2f}s; the scrapes after {max(t for _, t in answered):.1f}s"
-        )
+    figure(
+        f"{scrapes} scrapes waiting on a locked table: /healthz answered in"
+        f" {health_took:.2f}s; the scrapes after {max(t for _, t in answered):.1f}s"
+    )

@@ -34,6 +34,7 @@ from tests.conftest import REDIS_URL
 from tests.support import factory as f
 from tests.support.activity import BATCH_RUNNING
 from tests.support.facts import count_events
+from tests.support.figures import figure
 from tests.support.invariants import audit_engine
 from tests.support.netfault import Proxy, SilentServer
 from tests.support.ports import free_port
@@ -205,14 +206,13 @@ def test_every_cli_verb_gives_up_on_a_silent_database_with_one_line(capsys):
         assert took - baseline[verb] < CLI_BUDGET, (verb, took, baseline[verb])
     assert accepted >= len(VERBS)  # every verb reached the server: its bound ended the wait
     slowest = max(took for _, took, _, _ in results)
-    with capsys.disabled():
-        print(
-            f"\n[figures] silent database (accepts, never answers): {len(VERBS)} CLI verbs each "
-            f"exited 1 with one line, slowest after {slowest:.1f}s, at most "
-            f"{max(took - baseline[verb] for verb, took, _, _ in results):.1f}s more than "
-            f"against a refusing port (REAPER_DATABASE_CONNECT_TIMEOUT={CONNECT_TIMEOUT:g}s, "
-            f"budget {CLI_BUDGET:g}s over that)"
-        )
+    figure(
+        f"silent database (accepts, never answers): {len(VERBS)} CLI verbs each "
+        f"exited 1 with one line, slowest after {slowest:.1f}s, at most "
+        f"{max(took - baseline[verb] for verb, took, _, _ in results):.1f}s more than "
+        f"against a refusing port (REAPER_DATABASE_CONNECT_TIMEOUT={CONNECT_TIMEOUT:g}s, "
+        f"budget {CLI_BUDGET:g}s over that)"
+    )
 
 
 # -- process: every connection of a running worker cut -----------------------------------
@@ -297,7 +297,7 @@ def ended(engine: Engine) -> int:
 
 
 @pytest.mark.process
-def test_every_database_connection_of_a_draining_worker_cut(direct, database_url, tmp_path, capsys):
+def test_every_database_connection_of_a_draining_worker_cut(direct, database_url, tmp_path):
     rooms = 20_000
     with direct.begin() as conn:
         f.bulk_conferences(conn, rooms, as_of=datetime.now(UTC))
@@ -345,15 +345,14 @@ def test_every_database_connection_of_a_draining_worker_cut(direct, database_url
             conn.execute(text(NO_SLOW_BATCH))
     assert proxy.rules() == []
     audit_engine(direct).assert_clean()  # nothing closed twice, no half batch
-    with capsys.disabled():
-        print(
-            f"\n[figures] every PostgreSQL connection of a draining worker cut silently "
-            f"({connections} connections; REAPER_DATABASE_TCP_TIMEOUT=6s, REAPER_RUN_LEASE=4s, "
-            f"polling 2s): the cut batch's {len(held)} rooms updatable by others {freed:.1f}s "
-            f"after the cut, closing resumed {resumed:.1f}s after it "
-            f"({count_events(out, 'phase.failed')} phase.failed, "
-            f"{count_events(out, 'cycle.taken_over')} cycle.taken_over)"
-        )
+    figure(
+        f"every PostgreSQL connection of a draining worker cut silently "
+        f"({connections} connections; REAPER_DATABASE_TCP_TIMEOUT=6s, REAPER_RUN_LEASE=4s, "
+        f"polling 2s): the cut batch's {len(held)} rooms updatable by others {freed:.1f}s "
+        f"after the cut, closing resumed {resumed:.1f}s after it "
+        f"({count_events(out, 'phase.failed')} phase.failed, "
+        f"{count_events(out, 'cycle.taken_over')} cycle.taken_over)"
+    )
 
 
 def completed_runs_since(engine: Engine, since: datetime) -> int:
@@ -392,7 +391,7 @@ def ended_of(engine: Engine, ids: list[str]) -> int:
 
 
 @pytest.mark.process
-def test_every_redis_connection_of_the_worker_and_its_beat_cut(direct, tmp_path, capsys):
+def test_every_redis_connection_of_the_worker_and_its_beat_cut(direct, tmp_path):
     redis = make_url(REDIS_URL.replace("redis://", "postgresql://"))  # host and port only
     proxy = Proxy(redis.host or "127.0.0.1", redis.port or 6379, name="redis").start()
     worker = Worker(
@@ -429,15 +428,14 @@ def test_every_redis_connection_of_the_worker_and_its_beat_cut(direct, tmp_path,
     assert proxy.rules() == []
     assert "Unrecoverable error" not in out
     audit_engine(direct).assert_clean()
-    with capsys.disabled():
-        print(
-            f"\n[figures] every Redis connection of worker -B cut silently ({connections} "
-            f"connections; REAPER_BROKER_TCP_TIMEOUT and REAPER_BROKER_HEALTH_CHECK_INTERVAL "
-            f"at their defaults, polling 2s): next completed cycle {next_cycle:.1f}s after the "
-            f"cut, rooms that became eligible at the cut closed {closing:.1f}s after it "
-            f"({out.count('Connection to broker lost')} connection-lost lines, "
-            f"{count_events(out, 'cycle.taken_over')} cycle.taken_over)"
-        )
+    figure(
+        f"every Redis connection of worker -B cut silently ({connections} "
+        f"connections; REAPER_BROKER_TCP_TIMEOUT and REAPER_BROKER_HEALTH_CHECK_INTERVAL "
+        f"at their defaults, polling 2s): next completed cycle {next_cycle:.1f}s after the "
+        f"cut, rooms that became eligible at the cut closed {closing:.1f}s after it "
+        f"({out.count('Connection to broker lost')} connection-lost lines, "
+        f"{count_events(out, 'cycle.taken_over')} cycle.taken_over)"
+    )
 
 
 # -- the fault itself --------------------------------------------------------------------

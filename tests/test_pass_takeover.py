@@ -34,6 +34,7 @@ import pytest
 from sqlalchemy import Engine, make_url, text
 
 from tests.support.facts import output_events
+from tests.support.figures import figure
 from tests.support.kafka import create_topic, read_topic
 from tests.support.netfault import Proxy, SilentServer
 from tests.support.pgbouncer import PgBouncer
@@ -359,18 +360,17 @@ def relay_hit_mid_pass(
 
 
 def test_a_frozen_relay_is_replaced_in_seconds_and_woken_commits_nothing(
-    commits, kafka_broker, tmp_path, database_url, capsys
+    commits, kafka_broker, tmp_path, database_url
 ):
     """SIGSTOP of `reaper relay --once` mid-pass on a backlog: a worker's relay
     goes on within the bound; SIGCONT: the woken pass marks nothing."""
     takeover, hit = relay_hit_mid_pass(commits, kafka_broker, tmp_path, database_url, "sigstop")
-    with capsys.disabled():
-        print(
-            f"\n[figures] SIGSTOP of a relay pass mid-backlog ({BACKLOG} events): another "
-            f"worker's relay took the lock {takeover.lock_taken_s:.1f}s and published "
-            f"{takeover.took_s:.1f}s after the freeze; the woken pass committed "
-            f"{takeover.late} marks after that (bound {BOUND}s)"
-        )
+    figure(
+        f"SIGSTOP of a relay pass mid-backlog ({BACKLOG} events): another "
+        f"worker's relay took the lock {takeover.lock_taken_s:.1f}s and published "
+        f"{takeover.took_s:.1f}s after the freeze; the woken pass committed "
+        f"{takeover.late} marks after that (bound {BOUND}s)"
+    )
     assert takeover.took_s <= BOUND, takeover
     assert takeover.late == 0, takeover
     assert output_events(hit.output(), "relay.lock_lost"), hit.output()[-3000:]
@@ -378,19 +378,18 @@ def test_a_frozen_relay_is_replaced_in_seconds_and_woken_commits_nothing(
 
 
 def test_a_relay_whose_lock_connection_is_cut_is_replaced_and_marks_nothing_after(
-    commits, kafka_broker, tmp_path, database_url, capsys
+    commits, kafka_broker, tmp_path, database_url
 ):
     """iptables drops every packet of the relay's lock connection mid-pass (its
     batches' connections still pass): the server ends the silent lock session, the
     pass's claims and marks are fenced off, a worker's relay goes on."""
     takeover, hit = relay_hit_mid_pass(commits, kafka_broker, tmp_path, database_url, "cut")
-    with capsys.disabled():
-        print(
-            f"\n[figures] the relay's lock connection cut mid-backlog ({BACKLOG} events): "
-            f"another worker's relay took the lock {takeover.lock_taken_s:.1f}s and published "
-            f"{takeover.took_s:.1f}s after the cut; the cut pass committed "
-            f"{takeover.late} marks after that (bound {BOUND}s)"
-        )
+    figure(
+        f"the relay's lock connection cut mid-backlog ({BACKLOG} events): "
+        f"another worker's relay took the lock {takeover.lock_taken_s:.1f}s and published "
+        f"{takeover.took_s:.1f}s after the cut; the cut pass committed "
+        f"{takeover.late} marks after that (bound {BOUND}s)"
+    )
     assert takeover.took_s <= BOUND, takeover
     assert takeover.late == 0, takeover
     assert output_events(hit.output(), "relay.lock_lost"), hit.output()[-3000:]
@@ -410,7 +409,7 @@ print(json.dumps(StopPass(settings).run().to_json()), flush=True)
 
 
 def test_a_frozen_stop_pass_is_replaced_in_seconds_and_woken_changes_nothing(
-    commits, tmp_path, database_url, capsys
+    commits, tmp_path, database_url
 ):
     """A stop pass (the code reaper.stop_recordings runs) frozen while its calls
     wait on a recorder that never answers: a worker's stop pass goes on within the
@@ -462,12 +461,11 @@ def test_a_frozen_stop_pass_is_replaced_in_seconds_and_woken_changes_nothing(
         proxy.close()
     took = (first - hit_at).total_seconds()
     lock_taken = (taken_at - hit_at).total_seconds()
-    with capsys.disabled():
-        print(
-            f"\n[figures] SIGSTOP of a stop pass mid-calls: another worker's stop pass took "
-            f"the lock {lock_taken:.1f}s and claimed {took:.1f}s after the freeze; the woken "
-            f"pass committed {len(late)} changes after that (bound {BOUND}s)"
-        )
+    figure(
+        f"SIGSTOP of a stop pass mid-calls: another worker's stop pass took "
+        f"the lock {lock_taken:.1f}s and claimed {took:.1f}s after the freeze; the woken "
+        f"pass committed {len(late)} changes after that (bound {BOUND}s)"
+    )
     assert took <= BOUND, took
     assert late == [], late
     assert output_events(output, "recorder.lock_lost"), output[-3000:]
@@ -500,7 +498,7 @@ def test_behind_pgbouncer_with_a_pool_of_one_the_relay_never_goes_on_without_its
             hit.stop()
         took = time.monotonic() - started
     output = hit.output()
-    print(f"\n[figures] relay --once behind a pool of 1, lock session ended: {took:.1f}s")
+    figure(f"relay --once behind a pool of 1, lock session ended: {took:.1f}s")
     assert unpublished(engine) == 2000, "published without the lock"
     assert read_topic(kafka_broker, topic, timeout=3) == []
     assert hit.proc.returncode == 1, output[-3000:]

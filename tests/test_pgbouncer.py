@@ -23,6 +23,7 @@ from reaper.kafka import ProducerSlot
 from reaper.relay import Relay
 from tests.support import factory as f
 from tests.support.facts import output_events
+from tests.support.figures import figure
 from tests.support.invariants import audit_engine
 from tests.support.kafka import create_topic, read_topic
 from tests.support.pgbouncer import PgBouncer
@@ -391,8 +392,8 @@ def test_a_phase_drains_through_pools_of_two_three_and_one_per_lane(database_url
     for pool in (2, 3, 1 + lanes):
         with PgBouncer(database_url, pool_size=pool) as bouncer:
             took[f"pool {pool}"] = drain_through(bouncer, database_url, engine, rooms, lanes)
-    print(
-        f"\n[figures] drain of {rooms} rooms, batch 20, {lanes} lanes, rooms/s: "
+    figure(
+        f"drain of {rooms} rooms, batch 20, {lanes} lanes, rooms/s: "
         + ", ".join(f"{name} {rooms / s:.0f} ({s:.2f} s)" for name, s in took.items())
     )
     # No run waited for a timeout (REAPER_RUN_LEASE, PgBouncer's query_wait_timeout).
@@ -424,7 +425,7 @@ def test_a_pool_too_small_for_a_phase_is_said_at_once(database_url, engine):
         ]
         if "pool" in line.lower() or "connections" in line.lower()
     ]
-    print(f"\n[figures] reap --once with default_pool_size = 1, {rooms} rooms: {took:.1f} s")
+    figure(f"reap --once with default_pool_size = 1, {rooms} rooms: {took:.1f} s")
     assert took < 30, f"took {took:.1f}s"
     assert said, f"no line names the pool:\n{done.stderr[-3000:]}"
     assert "Traceback" not in done.stderr

@@ -37,6 +37,7 @@ from reaper.phases import reap_batch
 from reaper.recorder import StopPass
 from tests.support import factory as f
 from tests.support.facts import FactRecorder, count_events, log_events, output_events, wired_bus
+from tests.support.figures import figure
 from tests.support.kafka import create_topic
 from tests.support.ports import free_port
 from tests.support.processes import Worker, run_cli
@@ -333,8 +334,8 @@ def test_a_signal_not_taken_is_retried_with_backoff_within_the_window(engine):
     assert gaps[0] >= 2.5 and gaps[1] >= 5.0, gaps  # 2.5 s, then 5 s: exponential
     # outside the window: never tried
     assert recording_row(engine, old_recording["id"])["stop_attempts"] == 0
-    print(
-        f"\n[figures] stop signal refused twice, retried after {gaps[0]:.1f}s and "
+    figure(
+        f"stop signal refused twice, retried after {gaps[0]:.1f}s and "
         f"{gaps[1]:.1f}s (back-off 2.5 s doubling), taken on the third call"
     )
 
@@ -365,8 +366,8 @@ def test_reap_once_beside_a_trickling_recorder_ends_within_its_bound(engine, raw
     # (budgets.stop_pass) three. The rest: the process's start and its cycle.
     assert sent["duration_ms"] < (timeout + 1) * 1000, sent
     assert took < 3 * timeout + 8, took
-    print(
-        f"\n[figures] reap --once beside a trickling recorder: exited after {took:.1f}s "
+    figure(
+        f"reap --once beside a trickling recorder: exited after {took:.1f}s "
         f"(stop pass {sent['duration_ms']} ms)"
     )
 
@@ -444,8 +445,8 @@ def test_a_workers_cycles_keep_their_pace_beside_a_trickling_recorder(
             assert taken > 0
         else:
             assert taken == 0 and '"recorder.stop_failed"' in output
-    print(
-        f"\n[figures] cycles completed in {window:.0f}s at REAPER_POLLING_INTERVAL=1s: "
+    figure(
+        f"cycles completed in {window:.0f}s at REAPER_POLLING_INTERVAL=1s: "
         f"{paces['ok']} beside a recorder that answers, {paces['trickle']} beside a "
         f"trickling one"
     )
@@ -490,8 +491,8 @@ def test_eight_lanes_drain_20000_recorded_rooms_beside_a_refusing_recorder(engin
     assert sent["requested"] > 0 and sent["taken"] == 0
     assert count_events(done.stderr, "recorder.stop_failed") == sent["failed"] == sent["requested"]
     assert sent["duration_ms"] < (3 * 2 + 5) * 1000, sent  # budgets.stop_pass, its marks
-    print(
-        f"\n[figures] 20,000 recorded rooms at 8 lanes, recorder refusing: reap --once "
+    figure(
+        f"20,000 recorded rooms at 8 lanes, recorder refusing: reap --once "
         f"{took:.1f}s (cycle {result['duration_ms']} ms, stop pass {sent['duration_ms']} ms: "
         f"{sent['requested']} signals sent, {sent['unsent']} left due)"
     )
@@ -534,5 +535,5 @@ def test_a_cycle_that_closes_a_recorded_room_sends_its_stop_right_after(
         worker.stop()
     assert len(raw_recorder.requests) == 1
     assert "reaper.stop_recordings" in output and '"recorder.stop_requested"' in output
-    print(f"\n[figures] stop signal taken {lag.total_seconds():.2f}s after its room's close")
+    figure(f"stop signal taken {lag.total_seconds():.2f}s after its room's close")
     assert lag.total_seconds() < 4.0, lag  # the next beat tick would be up to 10 s away

@@ -38,6 +38,7 @@ from tests.conftest import ROOT
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import log_events
+from tests.support.figures import figure
 from tests.support.kafka import Tansu, create_topic, read_topic
 from tests.support.ports import free_port
 
@@ -983,7 +984,7 @@ def test_two_relays_at_once_publish_each_row_once(
     together = sum(r.published for r in results)
     follow_up = make_relay(settings, engine, producers, exclusive=False).run()
     assert together + follow_up.published == 308
-    print(f"\n[figures] two relays at once published {together} of 308, the next pass the rest")
+    figure(f"two relays at once published {together} of 308, the next pass the rest")
     records = read_topic(kafka_broker, topic, expect=308)
     counts = Counter(r.event_id for r in records)
     assert len(counts) == 308 and max(counts.values()) == 1
@@ -1219,8 +1220,8 @@ def test_relay_throughput_figures(database_url, engine, producers, topic, kafka_
     alone = (before + baseline()) / 2
     assert published == count
     assert len(read_topic(kafka_broker, topic, expect=count, timeout=60, settle=0.2)) == count
-    print(
-        f"\n[figures] relay: {count} events in {elapsed:.2f} s = {count / elapsed:,.0f} events/s; "
+    figure(
+        f"relay: {count} events in {elapsed:.2f} s = {count / elapsed:,.0f} events/s; "
         f"kafka-python alone, same records and settings: {count / alone:,.0f} events/s; "
         f"ratio {alone / elapsed:.2f} (batch {settings.relay_batch_size}, Tansu memory broker, "
         "acks=all, idempotent)"

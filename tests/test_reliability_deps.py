@@ -22,6 +22,7 @@ from sqlalchemy import Engine, create_engine, text
 from reaper.db import migrate
 from tests.support import factory as f
 from tests.support.facts import count_events
+from tests.support.figures import figure
 from tests.support.invariants import audit_engine
 from tests.support.kafka import Tansu, create_topic, read_topic
 from tests.support.ports import free_port
@@ -76,7 +77,7 @@ def private_pg() -> Iterator[PrivatePostgres]:
 
 
 @pytest.mark.process
-def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
+def test_postgres_restarted_during_a_cycle(private_pg, tmp_path):
     url = private_pg.url()
     migrate(url)
     engine = create_engine(url, connect_args={"application_name": "fault-test"})
@@ -125,18 +126,17 @@ def test_postgres_restarted_during_a_cycle(private_pg, tmp_path, capsys):
     assert failed_phases >= 1
     seen = during[-1]
     engine.dispose()
-    with capsys.disabled():
-        print(
-            f"\n[figures] PostgreSQL crashed (immediate stop) mid-cycle with {live_before} of "
-            f"{BACKLOG} rooms left, down {down:.1f}s; worker kept "
-            f"running, {failed_phases} phase.failed, drained {recovered:.1f}s after the restart; "
-            f"lost 0, duplicated 0; /metrics while down: {pick(seen, RUN_FAILED, ERRORS)}; "
-            f"after: {pick(after, RUN_DONE, RUN_FAILED, ERRORS)}"
-        )
+    figure(
+        f"PostgreSQL crashed (immediate stop) mid-cycle with {live_before} of "
+        f"{BACKLOG} rooms left, down {down:.1f}s; worker kept "
+        f"running, {failed_phases} phase.failed, drained {recovered:.1f}s after the restart; "
+        f"lost 0, duplicated 0; /metrics while down: {pick(seen, RUN_FAILED, ERRORS)}; "
+        f"after: {pick(after, RUN_DONE, RUN_FAILED, ERRORS)}"
+    )
 
 
 @pytest.mark.process
-def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
+def test_redis_restarted_under_the_worker(engine, tmp_path):
     redis = PrivateRedis().start()
     metrics_port = free_port()
     worker = Worker(
@@ -182,19 +182,18 @@ def test_redis_restarted_under_the_worker(engine, tmp_path, capsys):
     reconnects = out.count("Connection to broker lost")
     left = out.count('"broker.unacked_left_for_redelivery"')
     assert "Unrecoverable error" not in out
-    with capsys.disabled():
-        print(
-            f"\n[figures] Redis killed under worker -B for {back - down_at:.1f}s: 5 rooms that "
-            f"became eligible meanwhile reaped {recovery:.1f}s after it came back, by the same "
-            f"worker process ({reconnects} connection-lost lines, {left} channels closed without "
-            f"the unacked restore that crashed Celery 5.7); lost 0, duplicated 0; /metrics: "
-            f"{RUN_DONE} flat at {down_runs:.0f} while down (no ticks: the alert "
-            f"ConferenceReaperNotRunning fires after two intervals), {after_runs:.0f} after"
-        )
+    figure(
+        f"Redis killed under worker -B for {back - down_at:.1f}s: 5 rooms that "
+        f"became eligible meanwhile reaped {recovery:.1f}s after it came back, by the same "
+        f"worker process ({reconnects} connection-lost lines, {left} channels closed without "
+        f"the unacked restore that crashed Celery 5.7); lost 0, duplicated 0; /metrics: "
+        f"{RUN_DONE} flat at {down_runs:.0f} while down (no ticks: the alert "
+        f"ConferenceReaperNotRunning fires after two intervals), {after_runs:.0f} after"
+    )
 
 
 @pytest.mark.soak
-def test_kafka_broker_down(engine, tmp_path, capsys):
+def test_kafka_broker_down(engine, tmp_path):
     tansu = Tansu().start()
     topic = f"fault.conference-ended.{uuid.uuid4().hex[:8]}"
     create_topic(tansu.bootstrap, topic)
@@ -247,15 +246,14 @@ def test_kafka_broker_down(engine, tmp_path, capsys):
     assert (lost, duplicates) == ([], 0), (lost, duplicates)
     peak_pending = max(s.get(PENDING, 0) for s in samples)
     peak_age = max(s.get(OLDEST, 0) for s in samples)
-    with capsys.disabled():
-        print(
-            f"\n[figures] Kafka broker down {KAFKA_DOWN:.0f}s: {len(during)} rooms reaped "
-            f"meanwhile (reaping never waited on Kafka), outbox pending peaked at "
-            f"{peak_pending:.0f} (/metrics {PENDING}), oldest pending age up to "
-            f"{peak_age:.0f}s; all published {drained:.1f}s after the broker came back, "
-            f"duplicates on the topic {duplicates}, lost {len(lost)}; after: "
-            f"{pick(final_metrics, PENDING, PUBLISHED)}"
-        )
+    figure(
+        f"Kafka broker down {KAFKA_DOWN:.0f}s: {len(during)} rooms reaped "
+        f"meanwhile (reaping never waited on Kafka), outbox pending peaked at "
+        f"{peak_pending:.0f} (/metrics {PENDING}), oldest pending age up to "
+        f"{peak_age:.0f}s; all published {drained:.1f}s after the broker came back, "
+        f"duplicates on the topic {duplicates}, lost {len(lost)}; after: "
+        f"{pick(final_metrics, PENDING, PUBLISHED)}"
+    )
 
 
 def unpublished(engine: Engine) -> int:

@@ -29,6 +29,7 @@ from tests.support import factory as f
 from tests.support import services
 from tests.support.activity import BATCH_RUNNING
 from tests.support.factory import T0
+from tests.support.figures import figure
 from tests.support.invariants import audit_engine
 from tests.support.processes import Worker
 
@@ -125,7 +126,7 @@ def settle(engine: Engine) -> float:
 
 
 @pytest.mark.soak
-def test_kill_9_mid_batch_20_times(db, tmp_path, capsys):
+def test_kill_9_mid_batch_20_times(db, tmp_path):
     rng = random.Random(int(os.environ.get("REAPER_SEED", "5")))
     seed_backlog(db, empty=6000, provisioning=1500, stale=1500)
     total = 9000
@@ -180,15 +181,14 @@ def test_kill_9_mid_batch_20_times(db, tmp_path, capsys):
     assert final.live == 0 and final.ended + final.failed == total
     assert final.integration == final.ended and final.realtime == total
     assert max(lock_waits) < LOCK_TTL
-    with capsys.disabled():
-        print(
-            f"\n[figures] kill -9 of reap --once: {kills} kills ({in_batch} with a batch statement "
-            f"running, {in_xact} with a transaction open at the signal; {exited_first} runs "
-            f"finished first), backlog {total} rooms, rows per killed run "
-            f"{min(drained_per_run)}..{max(drained_per_run)}, lock free after "
-            f"max {max(lock_waits):.3f}s (TTL {LOCK_TTL}s), {runs} recovery runs; "
-            f"lost 0, duplicated 0, half batches 0"
-        )
+    figure(
+        f"kill -9 of reap --once: {kills} kills ({in_batch} with a batch statement "
+        f"running, {in_xact} with a transaction open at the signal; {exited_first} runs "
+        f"finished first), backlog {total} rooms, rows per killed run "
+        f"{min(drained_per_run)}..{max(drained_per_run)}, lock free after "
+        f"max {max(lock_waits):.3f}s (TTL {LOCK_TTL}s), {runs} recovery runs; "
+        f"lost 0, duplicated 0, half batches 0"
+    )
     assert in_xact > 0  # the kills did land inside transactions
 
 
@@ -238,7 +238,7 @@ def backends_of(engine: Engine, ports: set[int]) -> bool:
 
 
 @pytest.mark.process
-def test_kill_9_worker_children_mid_cycle(db, tmp_path, capsys):
+def test_kill_9_worker_children_mid_cycle(db, tmp_path):
     """The prefork children run the phases: SIGKILL them mid-cycle; the parent
     replaces them and the next ticks finish the job."""
     rng = random.Random(7)
@@ -288,9 +288,8 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path, capsys):
     assert final.ended == 6000 and final.integration == 6000
     assert kills == 5, f"only {kills} kills landed in a batch"
     assert worker.output().count("exited with 'signal 9 (SIGKILL)'") == kills
-    with capsys.disabled():
-        print(
-            f"\n[figures] kill -9 of worker children: {kills} kills inside a batch statement, "
-            f"their sessions (and locks) gone after max {max(waits):.3f}s, 6000 rooms "
-            f"drained by later ticks without a restart by hand; lost 0, duplicated 0"
-        )
+    figure(
+        f"kill -9 of worker children: {kills} kills inside a batch statement, "
+        f"their sessions (and locks) gone after max {max(waits):.3f}s, 6000 rooms "
+        f"drained by later ticks without a restart by hand; lost 0, duplicated 0"
+    )

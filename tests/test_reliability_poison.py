@@ -24,6 +24,7 @@ from reaper.events import PhaseCountKey
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import log_records
+from tests.support.figures import figure
 from tests.support.invariants import audit_engine
 
 STALE = {"idle": timedelta(hours=5), "age": timedelta(hours=6), "participants": 2}
@@ -110,7 +111,7 @@ def seed(
 @pytest.mark.parametrize("phase", ["empty_room", "stale_live"])
 @pytest.mark.parametrize("batch_size", [100, 2])
 def test_anomalies_are_closed_and_only_refused_rows_are_poison(
-    database_url, refusing_database, caplog, capsys, phase, batch_size
+    database_url, refusing_database, caplog, phase, batch_size
 ):
     engine = refusing_database
     caplog.set_level(logging.INFO, "reaper")
@@ -172,13 +173,12 @@ def test_anomalies_are_closed_and_only_refused_rows_are_poison(
     assert all(durations[i] is not None for i in [*odd, *good])
     assert big == 0  # every roster row closed, the 2000-row one included
     audit_engine(engine).assert_clean()
-    with capsys.disabled():
-        print(
-            f"\n[figures] {phase} batch={batch_size}: {len(anomalies)} anomaly kinds closed "
-            f"with a null duration ({sorted(set(flagged.values()) or set(anomalies.values()))}); "
-            f"{len(refused)} rows the database refuses isolated in both cycles; "
-            f"{len(odd)} odd-but-valid kinds + {len(good)} plain rows reaped once"
-        )
+    figure(
+        f"{phase} batch={batch_size}: {len(anomalies)} anomaly kinds closed "
+        f"with a null duration ({sorted(set(flagged.values()) or set(anomalies.values()))}); "
+        f"{len(refused)} rows the database refuses isolated in both cycles; "
+        f"{len(odd)} odd-but-valid kinds + {len(good)} plain rows reaped once"
+    )
 
 
 def test_provisioning_oddities_fail_cleanly(settings, engine, caplog):

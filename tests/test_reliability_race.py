@@ -29,6 +29,7 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from reaper.config import Settings
 from reaper.cycle import Reaper
 from tests.support import factory as f
+from tests.support.figures import figure
 from tests.support.invariants import audit
 
 SOAK = os.environ.get("REAPER_SOAK") == "1"
@@ -250,7 +251,7 @@ def run_schedule(
 
 
 @pytest.mark.soak
-def test_race_with_users(db, database_url, capsys):
+def test_race_with_users(db, database_url):
     settings = Settings(
         database_url=database_url,
         empty_room_grace=GRACE,
@@ -293,11 +294,10 @@ def test_race_with_users(db, database_url, capsys):
     commands = sum(v for k, v in tally.items())
     assert totals["ended EmptyTimeout"] > 0 and totals["ended Normal"] > 0
     assert tally["join refused: room Ended"] > 0  # users did lose races to the reaper
-    with capsys.disabled():
-        print(
-            f"\n[figures] race with users: {SCHEDULES} seeded schedules (4 user sessions + a "
-            f"back-to-back reaper each), {commands} commands {dict(sorted(tally.items()))}; "
-            f"{totals['cycles']} reap cycles, {totals['ended EmptyTimeout']} rooms reaped, "
-            f"{totals['ended Normal']} ended by users, {totals['skipped_locked']} rows skipped "
-            f"while a command held them; violations 0"
-        )
+    figure(
+        f"race with users: {SCHEDULES} seeded schedules (4 user sessions + a "
+        f"back-to-back reaper each), {commands} commands {dict(sorted(tally.items()))}; "
+        f"{totals['cycles']} reap cycles, {totals['ended EmptyTimeout']} rooms reaped, "
+        f"{totals['ended Normal']} ended by users, {totals['skipped_locked']} rows skipped "
+        f"while a command held them; violations 0"
+    )

@@ -19,6 +19,7 @@ from sqlalchemy import Engine, text
 
 from tests.support import factory as f
 from tests.support.facts import output_events
+from tests.support.figures import figure
 from tests.support.invariants import audit_engine
 from tests.support.kafka import create_topic, read_topic
 from tests.support.processes import Worker, wait_until
@@ -62,7 +63,7 @@ class Seeder(threading.Thread):
 
 
 @pytest.mark.soak
-def test_two_worker_replicas_reap_each_room_exactly_once(engine, kafka_broker, tmp_path, capsys):
+def test_two_worker_replicas_reap_each_room_exactly_once(engine, kafka_broker, tmp_path):
     topic = f"replicas.conference-ended.{uuid.uuid4().hex[:8]}"
     create_topic(kafka_broker, topic)
     env = {
@@ -115,11 +116,10 @@ def test_two_worker_replicas_reap_each_room_exactly_once(engine, kafka_broker, t
     cycles = [len(output_events(log, "cycle.completed")) for log in logs]
     skipped = [len(output_events(log, "cycle.skipped")) for log in logs]
     kinds = Counter(seeder.rooms.values())
-    with capsys.disabled():
-        print(
-            f"\n[figures] two worker -B replicas, {LOAD_SECONDS}s of load: {len(seeder.rooms)} "
-            f"rooms ({dict(kinds)}), reaped by a/b {len(reaped[0])}/{len(reaped[1])}, "
-            f"twice 0; cycles a/b {cycles[0]}/{cycles[1]}, lock-skips a/b "
-            f"{skipped[0]}/{skipped[1]}; {len(records)} Kafka records for {len(ended_ids)} "
-            f"ended rooms, duplicates {duplicates}, lost 0"
-        )
+    figure(
+        f"two worker -B replicas, {LOAD_SECONDS}s of load: {len(seeder.rooms)} "
+        f"rooms ({dict(kinds)}), reaped by a/b {len(reaped[0])}/{len(reaped[1])}, "
+        f"twice 0; cycles a/b {cycles[0]}/{cycles[1]}, lock-skips a/b "
+        f"{skipped[0]}/{skipped[1]}; {len(records)} Kafka records for {len(ended_ids)} "
+        f"ended rooms, duplicates {duplicates}, lost 0"
+    )

@@ -34,6 +34,7 @@ from reaper.release import EXIT_SCHEMA, SCHEMA_KNOWN, SCHEMA_NEEDED, version
 from tests.conftest import BIN, PG_URL, ROOT
 from tests.support import factory as f
 from tests.support import releases
+from tests.support.figures import figure
 from tests.support.kafka import create_topic, read_topic
 from tests.support.processes import Worker, wait_until
 from tests.support.roles import login
@@ -236,7 +237,7 @@ def sent_by_one_executed_by_other(
 
 
 def test_the_previous_release_runs_beside_this_one_across_the_migration(
-    previous_tree, kafka_broker, tmp_path, capsys
+    previous_tree, kafka_broker, tmp_path
 ):
     previous = releases.previous()
     topic = f"deploy.conference-ended.{uuid.uuid4().hex[:8]}"
@@ -344,13 +345,12 @@ def test_the_previous_release_runs_beside_this_one_across_the_migration(
     # both releases reaped while both ran (their own log lines)
     assert '"conference.reaped"' in old_out and '"conference.reaped"' in new_out
     assert '"relay.published"' in old_out and '"relay.published"' in new_out
-    with capsys.disabled():
-        print(
-            f"\n[figures] previous release {previous.version} ({previous.commit}) beside this"
-            f" one: {len(rooms)} rooms closed once and on Kafka once, 0 ERROR lines in either"
-            f" worker's log; this release's migrate under the running worker"
-            f" {figures['migrate']:.1f} s; whole test {time.monotonic() - started:.1f} s"
-        )
+    figure(
+        f"previous release {previous.version} ({previous.commit}) beside this"
+        f" one: {len(rooms)} rooms closed once and on Kafka once, 0 ERROR lines in either"
+        f" worker's log; this release's migrate under the running worker"
+        f" {figures['migrate']:.1f} s; whole test {time.monotonic() - started:.1f} s"
+    )
 
 
 def test_this_release_refuses_the_previous_release_s_schema_in_one_line(previous_tree, tmp_path):

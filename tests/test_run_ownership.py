@@ -23,6 +23,7 @@ from reaper.cycle import Reaper
 from reaper.events import CountKey, CycleCompleted, PhaseFailed
 from tests.support import factory as f
 from tests.support.facts import FactRecorder
+from tests.support.figures import figure
 from tests.support.processes import ROOT, run_cli
 
 COUNTS: tuple[CountKey, ...] = (
@@ -221,6 +222,4 @@ def test_a_dead_owner_is_taken_over_within_its_lease(settings, engine):
         ).scalar_one()
         assert f.session_row(conn, rooms["empty"]["id"])["status"] == "Ended"
     assert run == "taken_over"
-    print(
-        f"\n[figures] a killed owner's run taken over {took:.2f}s after its death (lease {lease}s)"
-    )
+    figure(f"a killed owner's run taken over {took:.2f}s after its death (lease {lease}s)")

@@ -16,6 +16,7 @@ from sqlalchemy import Engine, text
 
 from reaper.config import Settings
 from reaper.runs import Runs, holder
+from tests.support.figures import figure
 
 KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
 
@@ -128,7 +129,7 @@ def test_killed_runner_loses_the_lock_at_once(database_url, engine):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     waited = _wait_free(engine, timeout=10)
-    print(f"\n[figures] lock free {waited:.2f}s after kill -9 (lease 10s)")
+    figure(f"lock free {waited:.2f}s after kill -9 (lease 10s)")
     # "at once": the server sees the connection close; nothing waits for a lease
     assert waited <= 1.0, waited
 
@@ -144,9 +145,8 @@ def test_frozen_runner_loses_the_lock_within_its_lease(database_url, engine):
         assert holder(engine) is not None, "released before the lease"
         waited = _wait_free(engine, timeout=lease + 5)
         assert waited <= lease + 1.5
-        print(
-            f"\n[figures] frozen runner's lock freed by PostgreSQL after {waited + 0.5:.2f}s "
-            f"(lease {lease}s)"
+        figure(
+            f"frozen runner's lock freed by PostgreSQL after {waited + 0.5:.2f}s (lease {lease}s)"
         )
         with engine.connect() as conn:
             assert conn.execute(text(f"SELECT pg_try_advisory_xact_lock({KEY})")).scalar()
@@ -183,9 +183,7 @@ def test_hung_runner_loses_the_lock_one_lease_after_the_lock_ttl(database_url, e
         _wait_free(engine, timeout=lease + 5)
         freed = time.monotonic() - started
         assert ttl <= freed <= ttl + lease + 2, freed
-        print(
-            f"\n[figures] hung runner's lock freed after {freed:.2f}s (TTL {ttl}s, lease {lease}s)"
-        )
+        figure(f"hung runner's lock freed after {freed:.2f}s (TTL {ttl}s, lease {lease}s)")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

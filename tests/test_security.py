@@ -27,6 +27,7 @@ from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.errors import sqlstate
 from tests.support import factory as f
+from tests.support.figures import figure
 from tests.support.kafka import create_topic, read_topic
 from tests.support.processes import ROOT, Worker
 from tests.support.services import PrivatePostgres
@@ -383,7 +384,7 @@ class Recorder(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_full_cycle_writes_and_emits_only_ids_and_no_secrets(
-    engine, login_url, kafka_broker, tmp_path, capsys
+    engine, login_url, kafka_broker, tmp_path
 ):
     password = make_url(login_url).password
     assert password
@@ -475,16 +476,13 @@ def test_a_full_cycle_writes_and_emits_only_ids_and_no_secrets(
     problems += [f"last_error: {e!r}" for e in errors if password in e or EMAIL.search(e)]
     assert len(integration) == 3 and len(realtime) == 4 and len(records) == 3
     assert problems == []
-    with capsys.disabled():
-        strings = sum(
-            isinstance(v, str) for doc in [*integration, *realtime] for _, v in leaves(doc)
-        )
-        print(
-            f"\n[figures] secret/PII scan of a full cycle: {len(events)} log events, "
-            f"{len(outputs)} outputs (worker log, status, plan, reap --once, 2 failing runs), "
-            f"{len(integration)}+{len(realtime)} outbox payloads ({strings} strings), "
-            f"{len(records)} Kafka records: 0 non-id values, password never shown"
-        )
+    strings = sum(isinstance(v, str) for doc in [*integration, *realtime] for _, v in leaves(doc))
+    figure(
+        f"secret/PII scan of a full cycle: {len(events)} log events, "
+        f"{len(outputs)} outputs (worker log, status, plan, reap --once, 2 failing runs), "
+        f"{len(integration)}+{len(realtime)} outbox payloads ({strings} strings), "
+        f"{len(records)} Kafka records: 0 non-id values, password never shown"
+    )
     assert rooms  # seeded as above
 
 

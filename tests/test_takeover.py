@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 
 from tests.support import factory as f
+from tests.support.figures import figure
 from tests.support.invariants import audit_engine
 from tests.support.processes import Worker, wait_until
 from tests.support.services import PrivateRedis
@@ -101,7 +102,7 @@ def finish(worker: Worker, engine: Engine) -> None:
     assert audit.integration == audit.ended >= target
 
 
-def test_a_crashed_node_is_taken_over_within_an_interval_plus_15s(db, tmp_path: Path, capsys):
+def test_a_crashed_node_is_taken_over_within_an_interval_plus_15s(db, tmp_path: Path):
     """kill -9 of the whole worker (parent, beat, pool) mid-drain, a new worker at once."""
     first = Worker(tmp_path, ENV, name="crashed").start()
     second = Worker(tmp_path, ENV, name="successor")
@@ -118,15 +119,14 @@ def test_a_crashed_node_is_taken_over_within_an_interval_plus_15s(db, tmp_path: 
         first.stop()
         second.stop()
     assert took <= RESUME_BOUND, took
-    with capsys.disabled():
-        print(
-            f"\n[figures] kill -9 of the whole worker mid-drain ({before} of {BACKLOG} closed): "
-            f"closing resumed {took:.1f}s after the new worker started (interval {INTERVAL:g}s, "
-            "lease 10s); lost 0, duplicated 0"
-        )
+    figure(
+        f"kill -9 of the whole worker mid-drain ({before} of {BACKLOG} closed): "
+        f"closing resumed {took:.1f}s after the new worker started (interval {INTERVAL:g}s, "
+        "lease 10s); lost 0, duplicated 0"
+    )
 
 
-def test_a_deploy_whose_broker_lost_its_queues_is_taken_over(db, tmp_path: Path, capsys):
+def test_a_deploy_whose_broker_lost_its_queues_is_taken_over(db, tmp_path: Path):
     """A warm shutdown mid-drain while Redis restarts without persistence: the rest
     of the cycle's chain is gone with the queues; the run is not left to its lease."""
     redis = PrivateRedis().start()
@@ -150,15 +150,14 @@ def test_a_deploy_whose_broker_lost_its_queues_is_taken_over(db, tmp_path: Path,
         second.stop()
         redis.stop()
     assert took <= RESUME_BOUND, took
-    with capsys.disabled():
-        print(
-            f"\n[figures] warm shutdown mid-drain with the broker's queues lost ({before} of "
-            f"{BACKLOG} closed): closing resumed {took:.1f}s after the new worker started; "
-            "lost 0, duplicated 0"
-        )
+    figure(
+        f"warm shutdown mid-drain with the broker's queues lost ({before} of "
+        f"{BACKLOG} closed): closing resumed {took:.1f}s after the new worker started; "
+        "lost 0, duplicated 0"
+    )
 
 
-def test_a_frozen_owner_loses_the_run_and_never_commits_after_it(db, tmp_path: Path, capsys):
+def test_a_frozen_owner_loses_the_run_and_never_commits_after_it(db, tmp_path: Path):
     """SIGSTOP of the whole worker mid-drain: a second worker takes the run over;
     woken again, the first one's lanes are fenced off and commit nothing more."""
     first = Worker(tmp_path, ENV, name="frozen").start()
@@ -198,12 +197,11 @@ def test_a_frozen_owner_loses_the_run_and_never_commits_after_it(db, tmp_path: P
         first.stop()
         second.stop()
     assert took <= RESUME_BOUND, took
-    with capsys.disabled():
-        print(
-            f"\n[figures] SIGSTOP of the owner mid-drain ({before} of {BACKLOG} closed): a second "
-            f"worker resumed the closing {took:.1f}s after the freeze; the woken owner committed "
-            f"nothing more ({by_frozen} rooms were its run's); lost 0, duplicated 0"
-        )
+    figure(
+        f"SIGSTOP of the owner mid-drain ({before} of {BACKLOG} closed): a second "
+        f"worker resumed the closing {took:.1f}s after the freeze; the woken owner committed "
+        f"nothing more ({by_frozen} rooms were its run's); lost 0, duplicated 0"
+    )
 
 
 def frozen_events(engine: Engine, run_id: str) -> int:

@@ -26,6 +26,7 @@ from reaper.phases import EMPTY_ROOM, reap_batch
 from reaper.runs import Runs, holder
 from tests.support import factory as f
 from tests.support.facts import count_events
+from tests.support.figures import figure
 from tests.support.ports import free_port
 from tests.support.processes import ROOT, Worker, wait_until
 from tests.support.results import CYCLE_RESULT_KEYS
@@ -171,8 +172,8 @@ def test_beat_closes_rooms_within_the_slo(engine, tmp_path, phase):
             15,
             "the lateness of all four on /metrics",
         )
-        print(
-            f"\n[figures] {phase}: closed {max(lateness):.2f}s at most after {since} "
+        figure(
+            f"{phase}: closed {max(lateness):.2f}s at most after {since} "
             f"(SLO: window {window}s + interval {interval}s)"
         )
         # 0.5 s allows for dispatch through the broker on a loaded machine
@@ -207,7 +208,7 @@ def test_ticks_nobody_picked_up_in_time_expire(engine, tmp_path):
 
 
 @pytest.mark.process
-def test_warm_shutdown_ends_after_the_batch_in_flight(engine, tmp_path, capsys):
+def test_warm_shutdown_ends_after_the_batch_in_flight(engine, tmp_path):
     """SIGTERM (a warm shutdown) while a pool child drains a 100,000-room backlog:
     the child is told, ends its phase after the batches in flight (one per lane),
     every batch whole, and the worker exits 0 with the lock free. Seen from the
@@ -242,12 +243,11 @@ def test_warm_shutdown_ends_after_the_batch_in_flight(engine, tmp_path, capsys):
     assert logged_after <= 2 * lanes, logged_after
     assert 0 < ended == events == pushes < backlog
     assert holder(engine) is None
-    with capsys.disabled():
-        print(
-            f"\n[figures] warm shutdown (SIGTERM) of a worker draining {backlog:,} rooms: exit "
-            f"{rc} after {took:.2f}s, {logged_after} batch(es) logged after the signal, "
-            f"{ended:,} rooms ended in whole batches"
-        )
+    figure(
+        f"warm shutdown (SIGTERM) of a worker draining {backlog:,} rooms: exit "
+        f"{rc} after {took:.2f}s, {logged_after} batch(es) logged after the signal, "
+        f"{ended:,} rooms ended in whole batches"
+    )
 
 
 @pytest.mark.process
@@ -363,4 +363,4 @@ def test_runners_bypassing_the_lock_still_reap_each_room_once(database_url, engi
             runner.join()
     assert sum(per_runner) == 2_000
     assert consistent(engine) == (2_000, 2_000, 2_000)
-    print(f"\n[figures] 4 runners past the lock split 2000 rooms as {per_runner}")
+    figure(f"4 runners past the lock split 2000 rooms as {per_runner}")
