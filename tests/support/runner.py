@@ -31,7 +31,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     if workerinput is None:  # one process: nothing runs beside anything
         yield
         return
-    run = Path(tempfile.gettempdir()) / f"reaper-test-{workerinput['testrun_uid']}"
+    run = Path(tempfile.gettempdir()) / f"reaper-test-{workerinput['testrunuid']}"
     turnstile = os.open(f"{run}.turnstile", os.O_RDWR | os.O_CREAT)
     tests = os.open(f"{run}.tests", os.O_RDWR | os.O_CREAT)
     try:
