@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import pytest
-from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy import Connection, Engine, create_engine, make_url, text
 
 if TYPE_CHECKING:
     from tests.support.pgbouncer import PgBouncer
@@ -96,11 +96,17 @@ def database_url(services: None) -> Iterator[str]:
     admin.dispose()
 
 
+def clean(conn: Connection) -> None:
+    """Every table of the schema emptied: a test starts from nothing, whatever the
+    test before it in this process left (a pause, a policy, an open run)."""
+    conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+
+
 @pytest.fixture
 def engine(database_url: str) -> Iterator[Engine]:
     engine = engine_for(database_url)
     with engine.begin() as conn:
-        conn.execute(text(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY CASCADE"))
+        clean(conn)
     yield engine
 
 

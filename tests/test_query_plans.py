@@ -23,6 +23,7 @@ from sqlalchemy import Connection, Engine, text
 
 from reaper.phases import tenant_windows
 from reaper.queries import Queries, load, phase_statement
+from tests.conftest import clean
 from tests.support.factory import T0
 
 HISTORY = 100_000
@@ -136,13 +137,7 @@ def seeded(database_url: str) -> Iterator[Engine]:
 
     engine = engine_for(database_url)
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "TRUNCATE messenger.realtime_outbox, messenger.integration_outbox,"
-                " messenger.call_recordings, messenger.conference_participants,"
-                " messenger.conference_sessions RESTART IDENTITY CASCADE"
-            )
-        )
+        clean(conn)
         conn.execute(
             text(SEED),
             {"t0": T0, "history": HISTORY, "live": LIVE, "candidates": CANDIDATES},

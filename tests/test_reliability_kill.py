@@ -25,6 +25,7 @@ from sqlalchemy import Engine, create_engine, text
 
 from reaper.clock import rfc3339
 from reaper.runs import holder
+from tests.conftest import clean
 from tests.support import factory as f
 from tests.support import services
 from tests.support.activity import BATCH_RUNNING
@@ -65,13 +66,7 @@ def db(database_url: str) -> Iterator[Engine]:
     'conference-room-reaper' backend that is not idle belongs to the subject."""
     engine = create_engine(database_url, connect_args={"application_name": "reliability-test"})
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "TRUNCATE messenger.realtime_outbox, messenger.integration_outbox,"
-                " messenger.call_recordings, messenger.conference_participants,"
-                " messenger.conference_sessions RESTART IDENTITY CASCADE"
-            )
-        )
+        clean(conn)
     yield engine
     engine.dispose()
 

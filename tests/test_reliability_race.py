@@ -28,6 +28,7 @@ from sqlalchemy import Connection, Engine, create_engine, text
 
 from reaper.config import Settings
 from reaper.cycle import Reaper
+from tests.conftest import clean
 from tests.support import factory as f
 from tests.support.figures import figure
 from tests.support.invariants import audit
@@ -151,13 +152,7 @@ def db(database_url: str) -> Iterator[Engine]:
         database_url, pool_size=8, connect_args={"application_name": "race-users"}
     )
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "TRUNCATE messenger.realtime_outbox, messenger.integration_outbox,"
-                " messenger.call_recordings, messenger.conference_participants,"
-                " messenger.conference_sessions RESTART IDENTITY CASCADE"
-            )
-        )
+        clean(conn)
         conn.execute(text("DROP TABLE IF EXISTS race_audit"))
         conn.execute(
             text("CREATE TABLE race_audit (participant_id bigint, action text, at timestamptz)")
@@ -292,7 +287,7 @@ def test_race_with_users(db, database_url):
             )
 
     commands = sum(v for k, v in tally.items())
-    assert totals["ended EmptyTimeout"] > 0 and totals["ended Normal"] > 0
+    assert totals["ended EmptyTimeout"] > 0 and totals["ended Normal"] > 0, dict(totals)
     assert tally["join refused: room Ended"] > 0  # users did lose races to the reaper
     figure(
         f"race with users: {SCHEDULES} seeded schedules (4 user sessions + a "

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
+from tests.conftest import clean
 from tests.support import factory as f
 from tests.support.figures import figure
 from tests.support.invariants import audit_engine
@@ -43,13 +44,7 @@ ENV = {
 def db(database_url: str) -> Iterator[Engine]:
     engine = create_engine(database_url, connect_args={"application_name": "takeover-test"})
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "TRUNCATE messenger.realtime_outbox, messenger.integration_outbox,"
-                " messenger.call_recordings, messenger.conference_participants,"
-                " messenger.conference_sessions, messenger.reaper_runs RESTART IDENTITY CASCADE"
-            )
-        )
+        clean(conn)
         f.bulk_conferences(conn, BACKLOG, as_of=f.db_now(engine))
     yield engine
     engine.dispose()
