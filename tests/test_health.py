@@ -116,7 +116,9 @@ def test_healthz_turns_503_when_the_embedded_beat_dies(engine, tmp_path):
         # Every child of the worker dies once: the pool replaces its own, the
         # embedded beat is not restarted, and no tick is sent any more.
         assert worker.proc is not None
-        for child in children(worker.proc.pid):
+        pids = children(worker.proc.pid)
+        assert len(pids) >= 3, f"the pool's two children and the beat, found {pids}"
+        for child in pids:
             os.kill(child, signal.SIGKILL)
         killed_at = time.monotonic()
         wait_until(lambda: healthz(port)[0] == 503, 30, "unhealthy after three intervals")

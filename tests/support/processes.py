@@ -126,10 +126,17 @@ def children(pid: int) -> list[int]:
     """The process ids of ``pid``'s children (a worker's pool and its embedded beat)."""
     found: list[int] = []
     try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            found += [int(c) for c in (task / "children").read_text().split()]
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except FileNotFoundError:  # the process is gone
         return []
+    for task in tasks:
+        # A thread may end between the listing and the read (a worker starts one per
+        # /healthz request): skip it, not the whole process (that lost every child
+        # once, under the load of the parallel suite).
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return found
 
 
