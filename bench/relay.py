@@ -4,15 +4,15 @@ The relay is measured as an incident leaves the outbox: ``fresh_backlog`` writes
 the events anew into a table whose statistics say it is empty (analyzed empty,
 autovacuum off for the measurement, so no ``ANALYZE`` comes in between), and
 ``reaper relay --once`` relays them in its own process. Its rate is events over
-the pass's own ``duration_ms`` (the ``relay.completed`` line) less that of an
-empty pass run right after it on the outbox it emptied, so what any pass costs
-whatever it relays is not counted against the events (the whole pass's ratio is
-printed and kept beside it). The process's
+the pass's own ``duration_ms`` (the ``relay.completed`` line): the process's
 start and the producer's connection are not counted, as the baseline's producer
 is connected before its clock starts and a worker's producer is kept from one
-pass to the next (only a worker process's first pass connects it). The clock
+pass to the next (only a worker process's first pass connects it). That clock
 covers the relay lock, every claim, send, acknowledgement, mark and commit, the
-last (empty) claim, retention and the outbox's gauges.
+last (empty) claim, retention and the outbox's gauges; the bench takes off it
+the ``duration_ms`` of an empty pass run right after, on the outbox the first
+one emptied, so what any pass costs whatever it relays is not counted against
+the events (the whole pass's ratio is printed and kept beside it).
 
 The relay's baseline is kafka-python alone: the same records (key, value,
 headers) from memory, the same producer settings (``reaper.kafka.producer_config``),

@@ -338,7 +338,7 @@ def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -
                             empty = bench_kafka.relay_once(url, broker.bootstrap, TOPIC, 0)
                 finally:
                     bench_kafka.autovacuum_back(url)
-                # the measure: the events over the pass less an empty pass
+                # the events over what the pass spent on them: less an empty pass
                 one_rate = count / max(ours["pass_s"] - empty["pass_s"], 0.001)
                 whole = count / ours["pass_s"]
                 raw.setdefault("relay", []).append(
