@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, CursorResult, Row, TextClause, text
 
@@ -28,6 +28,22 @@ PHASE = "{phase}"
 # A row of any query: its columns are the statement's, which the type checker
 # does not read.
 ResultRow = Row[*tuple[Any, ...]]
+
+
+class OutboxRow(NamedTuple):
+    """A claimed outbox row, as the relay sends it (``claim_outbox_batch``'s
+    columns, in their order). A plain tuple, not a SQLAlchemy Row: the relay reads
+    a row's fields several times per event, and a Row's attribute access costs
+    ten times a tuple's (docs/performance.md#the-relays-own-python-per-event)."""
+
+    id: int
+    event_id: str
+    topic: str
+    message_key: str
+    attempts: int
+    value: str  # the payload as the text Kafka gets
+    event_type: str | None
+    correlation_id: str | None
 
 
 def phase_statement(name: str, phase: str) -> str:
@@ -378,12 +394,13 @@ class Queries:
     def relay_planner(self) -> None:
         _run(self.conn, "relay_planner")
 
-    def claim_outbox_batch(self, batch_size: int, holder_pid: int | None) -> list[ResultRow]:
+    def claim_outbox_batch(self, batch_size: int, holder_pid: int | None) -> list[OutboxRow]:
         """A batch of due rows, locked; none once the relay lock is no longer held by
         ``holder_pid`` (None: a pass that takes no lock)."""
-        return list(
-            _run(self.conn, "claim_outbox_batch", batch_size=batch_size, holder_pid=holder_pid)
-        )
+        result = _run(self.conn, "claim_outbox_batch", batch_size=batch_size, holder_pid=holder_pid)
+        if tuple(result.keys()) != OutboxRow._fields:  # the rows are read by position
+            raise RuntimeError(f"claim_outbox_batch returns {list(result.keys())}")
+        return list(map(OutboxRow._make, result))
 
     def acknowledge_outbox(self, ids: list[int]) -> int:
         """Delete the acknowledged rows that are still pending; how many."""

@@ -19,11 +19,19 @@ Batches follow each other until a claim finds nothing (a short batch is not
 the end: during an incident the pass follows the drain a batch behind), the
 pass's time is spent, a stop is asked or Kafka is gone.
 
-While one batch is awaited and marked (on a closer thread), the next is
-claimed and sent; their keys never overlap, so a deal's events never overtake
-each other. Killed between the send and the mark, a batch's transaction rolls
-back, its rows are still there, and the next pass re-sends the same
-``eventId`` (at least once; consumers dedupe by it). A row deleted is one whose
+While one batch is sent, a thread of its own claims the next, and another
+settles (awaits, marks, commits) each batch once it is sent, so neither a
+claim nor a settle holds up the sends; a claim waits for the settle of the
+batch before the one being sent, so at most two batches' transactions are open
+at once. The batches in flight never share a key (a claim leaves out a key
+with an earlier pending row), so a deal's events never overtake each other.
+The first claim is an eighth of a batch and each one after it twice the one
+before, up to ``REAPER_RELAY_BATCH_SIZE``: the first sends do not wait for a
+whole batch's claim.
+
+Killed between the send and the mark, a batch's transaction rolls back, its
+rows are still there, and the next pass re-sends the same ``eventId`` (at
+least once; consumers dedupe by it). A row deleted is one whose
 own acknowledgement arrived, in a transaction that commits only behind the
 fence: so a deal's next event is claimed only once its earlier one is gone,
 which it is only once Kafka has it. See docs/design.md#the-outbox-relay.
@@ -57,12 +65,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import lru_cache
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 from kafka import KafkaProducer
 from kafka import errors as kafka_errors
-from sqlalchemy import Connection, Engine, RootTransaction, Row
+from sqlalchemy import Connection, Engine, RootTransaction
 from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import budgets
@@ -85,11 +94,14 @@ from reaper.events import (
 from reaper.kafka import ProducerSlot, Unavailable, diagnose, process_slot
 from reaper.lease import Heartbeat, PassLock, pass_lock
 from reaper.logs import get_logger, log
-from reaper.queries import Queries
+from reaper.queries import OutboxRow, Queries
 from reaper.traceids import traceparent
 
 logger = get_logger("relay")
 
+# What a pass holds at once: the relay lock's transaction, the batch being sent
+# or settled and the next one, claimed.
+PASS_CONNECTIONS = 3
 RETENTION_BATCH = 1_000
 RETENTION_MAX_BATCHES = 20
 # "Kafka is not there", not "this record was refused": the pass stops at once
@@ -155,11 +167,11 @@ class InFlight:
     conn: Connection
     transaction: RootTransaction
     heartbeat: Heartbeat  # speaks on the transaction while it waits on Kafka
-    rows: list[Row] = field(default_factory=list)
+    rows: list[OutboxRow] = field(default_factory=list)
     report: BatchReport = field(default_factory=BatchReport)
-    by_key: OrderedDict[str, deque[Row]] = field(default_factory=OrderedDict)
+    by_key: OrderedDict[str, deque[OutboxRow]] = field(default_factory=OrderedDict)
     producer: KafkaProducer | None = None
-    sent: list[tuple[Row, Any]] = field(default_factory=list)
+    sent: list[tuple[OutboxRow, Any]] = field(default_factory=list)
 
     def abandon(self) -> None:
         """Roll back what is not committed (locks freed, rows left pending) and
@@ -248,54 +260,77 @@ class Relay:
         stop is asked or the pass's time is spent; then retention."""
         deadline = time.monotonic() + self.settings.relay_max_pass_duration.total_seconds()
         batches = RelayBatches(self.settings, self.engine, self.producers, self.bus, lock)
-        current: InFlight | None = None
-        following: InFlight | None = None
-        # One batch is awaited, marked and committed on this thread while the
-        # next one is claimed and sent on the calling thread (psycopg2 and the
-        # acknowledgement waits release the GIL, the sends need it).
-        closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-close")
-        closing: Future[BatchReport] | None = None
+
+        def more() -> bool:
+            """Whether the pass may claim another batch."""
+            return not (time.monotonic() >= deadline or self.stop_event.is_set() or lock.lost)
+
+        def claim_after(settle: Future[BatchReport] | None, size: int) -> InFlight | None:
+            """The next batch, claimed once ``settle`` (of the batch sent before the
+            one being sent) is done: two batches' transactions at most; none when
+            the pass is to end."""
+            if settle is not None and (settle.exception() is not None or _ends(settle.result())):
+                return None
+            return batches.claim(size) if more() else None
+
+        # Three threads: this one sends each batch's first round; the settler
+        # awaits, marks and commits each batch once it is sent; the claimer claims
+        # the next batch meanwhile. The sends need the GIL; psycopg2 and the
+        # acknowledgement waits release it. No claim waits for this thread: with
+        # room for one batch's transaction only (a small pool behind PgBouncer),
+        # the next claim waits for the commit of the batch before, no longer.
+        settler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-settle")
+        claimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-claim")
+        sending: InFlight | None = None  # claimed; this thread sends it
+        claiming: Future[InFlight | None] | None = None
+        settles: deque[Future[BatchReport]] = deque()  # sent, not yet counted
+        size = first_claim(self.settings.relay_batch_size)
         try:
-            current = batches.claim_and_send()
-            while current is not None:
-                # A short batch is not the end: while a drain writes events, the
-                # pass follows it a batch behind instead of waiting for the next
-                # tick. Only a claim that finds nothing ends it.
-                more = not (
-                    current.report.unavailable is not None
-                    or time.monotonic() >= deadline
-                    or self.stop_event.is_set()
-                    or lock.lost
-                )
-                closing, current = closer.submit(batches.settle, current), None
-                following = batches.claim_and_send() if more else None
-                report = closing.result()
-                closing = None
-                report.add_to(result)
-                if report.unavailable is not None or report.fenced:
-                    if following is not None:  # sent already: settle it, then stop
-                        settling, following = following, None
-                        batches.settle(settling).add_to(result)
+            sending = batches.claim(size)
+            while sending is not None:
+                size = min(2 * size, self.settings.relay_batch_size)
+                claiming = claimer.submit(claim_after, settles[-1] if settles else None, size)
+                batches.send(sending)
+                ended = sending.report.unavailable is not None
+                settles.append(settler.submit(batches.settle, sending))
+                sending, claiming = claiming.result(), None
+                while len(settles) > 1:  # done: the claim waited for them
+                    report = settles.popleft().result()
+                    report.add_to(result)
+                    ended = ended or _ends(report)
+                if ended:
                     break
-                current, following = following, None
-                if current is None and more:
-                    current = batches.claim_and_send()
+                if sending is None:
+                    # A short batch is not the end (while a drain writes events the
+                    # pass follows it a batch behind), nor is a claim beside a batch
+                    # in flight that found nothing: it left out the keys behind that
+                    # batch. Only a claim with nothing in flight ends the pass.
+                    report = settles.popleft().result()
+                    report.add_to(result)
+                    if not _ends(report) and more():
+                        sending = batches.claim(size)
+            while settles:
+                settles.popleft().result().add_to(result)
         except SoftTimeLimitExceeded:
             # The batches in flight roll back: their rows go again next pass.
             result.timed_out = True
         except SQLAlchemyError as exc:
             self._database_failed(result, exc)
         finally:
-            # A batch being closed finishes on its own (bounded by the Kafka
-            # timeout); the ones this thread holds are rolled back.
-            for flight in (current, following):
-                if flight is not None:
-                    flight.abandon()
-            closer.shutdown(wait=True)
-            if closing is not None and not closing.cancelled():
-                failure = closing.exception()
+            # A claim not started is cancelled, and every batch not sent is rolled
+            # back; a batch being settled finishes on its own (bounded by the Kafka
+            # timeout) and is counted.
+            if sending is not None:
+                sending.abandon()
+            claimer.shutdown(wait=True, cancel_futures=True)
+            claimed = _claimed(claiming)
+            if claimed is not None:
+                claimed.abandon()
+            settler.shutdown(wait=True)
+            for settle in settles:
+                failure = settle.exception()
                 if failure is None:
-                    closing.result().add_to(result)
+                    settle.result().add_to(result)
                 elif not isinstance(failure, SQLAlchemyError | SoftTimeLimitExceeded):
                     self.bus.emit(RelayCloseFailed(error=describe(failure)))
         if not (result.timed_out or result.lock_lost or lock.lost):
@@ -340,10 +375,10 @@ class Relay:
 
 
 class RelayBatches:
-    """One pass's batches: what the calling thread claims and sends
-    (:meth:`claim_and_send`, a transaction of its own per batch) and what the closer
-    thread awaits, marks and commits (:meth:`settle`), as cycle.PhaseBatches is
-    for a phase's batches."""
+    """One pass's batches: each claimed in a transaction of its own (:meth:`claim`,
+    on the claimer thread but for the first), its first round sent by the calling
+    thread (:meth:`send`), then awaited, marked and committed on the settler
+    (:meth:`settle`), as cycle.PhaseBatches is for a phase's batches."""
 
     def __init__(
         self,
@@ -360,19 +395,16 @@ class RelayBatches:
         self.lock = lock
         self.kafka_timeout = settings.kafka_timeout.total_seconds()
 
-    # -- claim, send the first round ----------------------------------------
+    # -- claim; send the first round -----------------------------------------
 
-    def claim_and_send(self) -> InFlight | None:
-        """Claim a batch in a new transaction and send its first round; None when
-        nothing is due."""
+    def claim(self, size: int) -> InFlight | None:
+        """Claim up to ``size`` due rows in a new transaction; None when nothing is due."""
         conn = self.engine.connect()
         tx, queries = begin(conn, budgets.relay_batch(self.settings))
         flight = InFlight(conn, tx, self.lock.heartbeat)
         try:
             queries.relay_planner()
-            flight.rows = queries.claim_outbox_batch(
-                self.settings.relay_batch_size, self.lock.holder_pid
-            )
+            flight.rows = queries.claim_outbox_batch(size, self.lock.holder_pid)
             flight.report.claimed = len(flight.rows)
             if not flight.rows:  # nothing due, or the lock is gone (the fence)
                 flight.abandon()
@@ -381,25 +413,28 @@ class RelayBatches:
             self.lock.heartbeat.tend(conn)
             for row in flight.rows:  # id order, so each key's queue is in commit order
                 flight.by_key.setdefault(row.message_key, deque()).append(row)
-            try:
-                flight.producer = self.producers.get()
-            except SoftTimeLimitExceeded:
-                raise
-            except Exception as exc:  # no producer: Kafka unreachable or misconfigured
-                flight.report.unavailable = exc
-            else:
-                heads = [queue[0] for queue in flight.by_key.values()]
-                flight.sent = self._send(flight.producer, heads, flight.report)
         except BaseException:
             flight.abandon()
             raise
         return flight
 
+    def send(self, flight: InFlight) -> None:
+        """Send a claimed batch's first round: the oldest row of every key."""
+        try:
+            flight.producer = self.producers.get()
+        except SoftTimeLimitExceeded:
+            raise
+        except Exception as exc:  # no producer: Kafka unreachable or misconfigured
+            flight.report.unavailable = exc
+        else:
+            heads = [queue[0] for queue in flight.by_key.values()]
+            flight.sent = self._send(flight.producer, heads, flight.report)
+
     def _send(
-        self, producer: KafkaProducer, rows: list[Row], report: BatchReport
-    ) -> list[tuple[Row, Any]]:
+        self, producer: KafkaProducer, rows: list[OutboxRow], report: BatchReport
+    ) -> list[tuple[OutboxRow, Any]]:
         """One round: at most one row per key, all sent before any is awaited."""
-        sent: list[tuple[Row, Any]] = []
+        sent: list[tuple[OutboxRow, Any]] = []
         for row in rows:
             try:
                 future = producer.send(
@@ -500,13 +535,13 @@ class RelayBatches:
         # rows behind a failed or parked row of their key (or not reached) wait
         report.held_back = sum(len(q) - 1 for q in flight.by_key.values() if q)
 
-    def _await(self, sent: list[tuple[Row, Any]], report: BatchReport) -> list[Row]:
+    def _await(self, sent: list[tuple[OutboxRow, Any]], report: BatchReport) -> list[OutboxRow]:
         """Every acknowledgement of a round, within one delivery timeout."""
         deadline = time.monotonic() + self.kafka_timeout + 1.0
         acked = []
         for row, future in sent:
             try:
-                future.get(timeout=max(0.0, deadline - time.monotonic()))
+                _acknowledgement(future, deadline)
             except SoftTimeLimitExceeded:
                 raise
             except Exception as exc:
@@ -518,7 +553,7 @@ class RelayBatches:
                 acked.append(row)
         return acked
 
-    def _row_failed(self, row: Row, exc: BaseException, report: BatchReport) -> None:
+    def _row_failed(self, row: OutboxRow, exc: BaseException, report: BatchReport) -> None:
         error = describe(exc)
         if isinstance(exc, UNAVAILABLE):
             report.unreached[row.id] = error
@@ -567,7 +602,7 @@ class RelayBatches:
             report.out_of_attempts = len(parked)
 
     def _unavailable(
-        self, problem: Unavailable, rows: list[Row], producer: KafkaProducer | None
+        self, problem: Unavailable, rows: list[OutboxRow], producer: KafkaProducer | None
     ) -> None:
         if producer is not None and producer.bootstrap_connected():
             # The brokers answer but know no partitions of the topic: it does
@@ -587,18 +622,61 @@ class RelayBatches:
         )
 
 
-def headers(row: Row) -> list[tuple[str, bytes]]:
+def first_claim(batch_size: int) -> int:
+    """A pass's first claim: an eighth of a batch. Nothing is sent until it returns
+    and a claim takes time in proportion to its rows, so the pass starts small;
+    each claim after it is twice the one before, up to the batch size, as a claim
+    of 2n rows takes about as long as sending n (docs/performance.md#the-claims-ramp)."""
+    return max(1, batch_size // 8)
+
+
+def _claimed(claiming: Future[InFlight | None] | None) -> InFlight | None:
+    """What a claim left behind once the claimer has stopped."""
+    if claiming is None or claiming.cancelled() or claiming.exception() is not None:
+        return None
+    return claiming.result()
+
+
+def _ends(report: BatchReport) -> bool:
+    """After this settled batch no other is claimed: Kafka is gone, or the relay
+    lock is (its marks were fenced)."""
+    return report.unavailable is not None or report.fenced
+
+
+def headers(row: OutboxRow) -> list[tuple[str, bytes]]:
     """The record's headers (docs/design.md#the-kafka-event); ``traceparent``
     continues the cycle's trace in the consumers."""
-    correlation = row.correlation_id or ""
-    out = [
+    return [
         ("event-id", row.event_id.encode()),
-        ("event-type", (row.event_type or "").encode()),
-        ("correlation-id", correlation.encode()),
+        *_shared_headers(row.event_type, row.correlation_id),
     ]
+
+
+# A batch's records share their event type and come from a few cycles: their
+# headers are built once, not per record (a tenth of the relay's own Python per
+# event, docs/performance.md#the-relays-own-python-per-event).
+@lru_cache(maxsize=256)
+def _shared_headers(
+    event_type: str | None, correlation_id: str | None
+) -> tuple[tuple[str, bytes], ...]:
+    correlation = correlation_id or ""
+    shared = (
+        ("event-type", (event_type or "").encode()),
+        ("correlation-id", correlation.encode()),
+    )
     if correlation:
-        out.append(("traceparent", traceparent(correlation).encode()))
-    return out
+        return (*shared, ("traceparent", traceparent(correlation).encode()))
+    return shared
+
+
+def _acknowledgement(future: Any, deadline: float) -> None:
+    """Wait for one record's acknowledgement until ``deadline``; raise what failed
+    it. By the time a batch is settled most are in: those are read without a wait
+    (``get`` sets up a timer per call)."""
+    if not future.is_done:
+        future.get(timeout=max(0.0, deadline - time.monotonic()))
+    elif future.exception is not None:
+        raise future.exception
 
 
 def _known(producer: KafkaProducer, topic: str) -> bool:

@@ -237,10 +237,13 @@ def test_events_of_one_deal_arrive_in_commit_order(
 
 
 class _Failed:
-    """A send whose acknowledgement fails with ``error`` (kafka-python's future API)."""
+    """A send whose acknowledgement failed with ``error`` (what the relay reads of
+    kafka-python's future: ``is_done``, ``exception``, ``get``)."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+        self.is_done = True
+        self.exception = error
 
     def get(self, timeout: float | None = None) -> None:
         raise self.error
