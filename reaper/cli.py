@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -155,7 +156,7 @@ def cmd_reap(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_relay(settings: Settings, args: argparse.Namespace) -> int:
     from reaper.db import engine_of
     from reaper.kafka import close_producer
-    from reaper.relay import Relay
+    from reaper.relay import PASS_CONNECTIONS, Relay
 
     if not args.once:
         print(
@@ -168,14 +169,19 @@ def cmd_relay(settings: Settings, args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         # settle the batches in flight, then stop: their rows are marked or rolled back
         signal.signal(signum, lambda *_: stop.set())
-    with engine_of(settings).connect():  # no database: one line, exit 1 (main())
-        pass
+    engine = engine_of(settings)
+    # The connections a pass holds at once, opened before it as a worker has them
+    # from its previous pass (no database: one line, exit 1, main()).
+    with contextlib.ExitStack() as held:
+        for _ in range(PASS_CONNECTIONS):
+            held.enter_context(engine.connect())
     relay = Relay(settings, stop_event=stop)
     # Connected before the pass, as a worker's producer is at every pass after its
     # first (it is kept for the process's life): the pass's duration_ms then counts
     # what a worker's pass does. Kafka unreachable: the pass meets it and says so.
     with contextlib.suppress(Exception):
         relay.producers.get().partitions_for(settings.conference_ended_topic)
+    gc.freeze()  # start-up out of the pass's collections, as in a worker (reaper.lifecycle)
     try:
         result = relay.run()  # what reaper.relay_outbox runs
     finally:

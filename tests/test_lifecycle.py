@@ -3,6 +3,7 @@ running its steps in the order the module's docstring gives."""
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from collections.abc import Callable
@@ -109,6 +110,7 @@ def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
     monkeypatch.setattr(db, "dispose_engines", record("db.dispose_engines"))
     monkeypatch.setattr(kafka, "close_producer", record("kafka.close_producer"))
     monkeypatch.setattr(wiring, "request_relay_on_events", record("wiring.request_relay_on_events"))
+    monkeypatch.setattr(gc, "freeze", record("gc.freeze"))
 
     def during(signal: Any, **named: Any) -> list[str]:
         steps.clear()
@@ -134,12 +136,13 @@ def test_a_worker_runs_each_signal_s_steps_in_lifecycle_order(
         # before the fork: every pool child's drains ask for relay passes
         "wiring.request_relay_on_events",
         "log recorder.disabled",
+        "gc.freeze",  # before the fork: the children's collections skip it too
     ]
     assert during(beat_init) == []  # an embedded beat: checked with its worker
     monkeypatch.setattr(lifecycle, "_schema_checked", False)  # `celery beat` on its own
     assert during(beat_init) == ["logs.configure", "db.dispose_engines", "log schema.checked"]
     assert during(worker_ready) == ["endpoint.serve"]
-    assert during(worker_process_init) == ["db.dispose_engines", "tracing.configure"]
+    assert during(worker_process_init) == ["db.dispose_engines", "tracing.configure", "gc.freeze"]
     assert during(worker_shutting_down, sig="SIGTERM", how="Warm") == [
         "stopping",
         "log worker.stopping",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from reaper.queries import Queries
+from reaper.relay import PASS_CONNECTIONS
 from tests.support.kafka import create_topic, read_topic
 from tests.support.ports import free_port
 from tests.support.processes import ROOT
@@ -96,6 +98,53 @@ def test_relay_once_publishes_the_backlog_and_prints_its_result(engine, kafka_br
     again = relay_cli("--once", env=env)  # nothing left: a readable line, exit 0
     assert again.returncode == 0, again.stderr
     assert again.stdout.strip() == "published 0, failed 0, parked 0, pending 0"
+
+
+# The pass, watched from inside the CLI's process: the connections it found open,
+# whether start-up's objects were frozen, and the connections it opened itself.
+WATCHED_PASS = textwrap.dedent(
+    """
+    import gc, json, sys
+    from sqlalchemy import event
+    from reaper import cli, relay
+
+    run = relay.Relay.run
+
+    def watched(self):
+        opened = []
+        event.listen(self.engine, "connect", lambda *_: opened.append(1))
+        found = {"idle": self.engine.pool.checkedin(), "frozen": gc.get_freeze_count()}
+        result = run(self)
+        print(json.dumps({**found, "opened": len(opened)}), file=sys.stderr)
+        return result
+
+    relay.Relay.run = watched
+    sys.exit(cli.main(["relay", "--once", "--json"]))
+    """
+)
+
+
+def test_relay_once_opens_its_connections_and_freezes_start_up_before_the_pass(
+    engine, kafka_broker, topic
+):
+    """As a worker's pass after its first: the connections a pass holds at once
+    are open (the pass opens none), and what start-up built is frozen, out of
+    the pass's garbage collections."""
+    add_rows(engine, topic, ["deal-a", "deal-b", "deal-c"])
+    done = subprocess.run(
+        [str(Path(REAPER).with_name("python")), "-c", WATCHED_PASS],
+        cwd=ROOT,
+        env={**os.environ, "REAPER_KAFKA_BOOTSTRAP_SERVERS": kafka_broker},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["published"] == 3
+    [found] = [json.loads(line) for line in done.stderr.splitlines() if line.startswith('{"idle"')]
+    assert found["idle"] >= PASS_CONNECTIONS
+    assert found["frozen"] > 0
+    assert found["opened"] == 0
 
 
 def test_relay_once_counts_a_parked_event_and_still_exits_0(engine, kafka_broker, topic):
