@@ -77,7 +77,12 @@ def test_a_lock_session_ended_midway_is_found_lost_and_fences_everything(setting
     with relay_lock(engine, settings) as lock:
         assert lock is not None and lock.holder_pid is not None
         with engine.connect() as conn:
-            conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": lock.holder_pid})
+            # with a timeout it returns once the backend is gone, and its lock with it
+            # (without one it only signals it: a claim right after could still see it)
+            ended = conn.execute(
+                text("SELECT pg_terminate_backend(:p, 10000)"), {"p": lock.holder_pid}
+            ).scalar_one()
+            assert ended
             conn.commit()
             queries = Queries(conn)
             assert queries.claim_outbox_batch(10, lock.holder_pid) == []
