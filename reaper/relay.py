@@ -292,10 +292,13 @@ class Relay:
                 claiming = claimer.submit(claim_after, settles[-1] if settles else None, size)
                 batches.send(sending)
                 ended = sending.report.unavailable is not None
-                settles.append(settler.submit(batches.settle, sending))
+                # the settler's from here: a time limit while this thread waits
+                # for the claim must not roll back what it is committing
+                sent, sending = sending, None
+                settles.append(settler.submit(batches.settle, sent))
                 sending, claiming = claiming.result(), None
                 while len(settles) > 1:  # done: the claim waited for them
-                    report = settles.popleft().result()
+                    report = _settled(settles)
                     report.add_to(result)
                     ended = ended or _ends(report)
                 if ended:
@@ -305,14 +308,15 @@ class Relay:
                     # pass follows it a batch behind), nor is a claim beside a batch
                     # in flight that found nothing: it left out the keys behind that
                     # batch. Only a claim with nothing in flight ends the pass.
-                    report = settles.popleft().result()
+                    report = _settled(settles)
                     report.add_to(result)
                     if not _ends(report) and more():
                         sending = batches.claim(size)
             while settles:
-                settles.popleft().result().add_to(result)
+                _settled(settles).add_to(result)
         except SoftTimeLimitExceeded:
-            # The batches in flight roll back: their rows go again next pass.
+            # The batch being sent and the one claimed roll back (their rows go
+            # again next pass); a batch being settled is committed (finally).
             result.timed_out = True
         except SQLAlchemyError as exc:
             self._database_failed(result, exc)
@@ -628,6 +632,14 @@ def first_claim(batch_size: int) -> int:
     each claim after it is twice the one before, up to the batch size, as a claim
     of 2n rows takes about as long as sending n (docs/performance.md#the-claims-ramp)."""
     return max(1, batch_size // 8)
+
+
+def _settled(settles: deque[Future[BatchReport]]) -> BatchReport:
+    """The oldest settle's report, once it is done; a settle that failed stays in
+    ``settles`` for the pass's end to report (RelayCloseFailed)."""
+    report = settles[0].result()
+    settles.popleft()
+    return report
 
 
 def _claimed(claiming: Future[InFlight | None] | None) -> InFlight | None:

@@ -4,16 +4,18 @@ Real PostgreSQL and the test broker; no worker processes."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any
 
 import pytest
+from celery.exceptions import SoftTimeLimitExceeded
 from kafka import errors as kafka_errors
 from sqlalchemy import text
 
 from reaper import queries as queries_module
-from reaper.events import Bus, RelayBatchCommitted
+from reaper.events import Bus, RelayBatchCommitted, RelayCloseFailed
 from reaper.queries import OutboxRow, Queries
 from reaper.relay import RelayBatches, _acknowledgement, first_claim, headers
 from tests.support.kafka import read_topic
@@ -197,3 +199,67 @@ def test_an_acknowledgement_not_in_yet_is_awaited_until_the_deadline():
     with pytest.raises(kafka_errors.KafkaTimeoutError):
         _acknowledgement(pending, deadline=time.monotonic() - 1)
     assert pending.waited
+
+
+def test_a_time_limit_while_waiting_for_a_claim_leaves_the_batch_being_settled_to_its_settle(
+    rsettings, engine, producers, topic, kafka_broker, monkeypatch
+):
+    """The soft time limit lands while this thread waits for the next claim and
+    the batch it sent is still being settled: that batch is the settler's, which
+    commits it; only the claimed batch rolls back."""
+    rsettings = rsettings.model_copy(update={"relay_batch_size": 16})  # first claim: 2 rows
+    ids = add_rows(engine, topic, 10)
+    real_claim, real_settle = RelayBatches.claim, RelayBatches.settle
+
+    def slow_claim(self: RelayBatches, size: int) -> Any:
+        if threading.current_thread().name.startswith("relay-claim"):
+            time.sleep(2.0)  # the time limit lands while this thread waits for it
+        return real_claim(self, size)
+
+    def slow_settle(self: RelayBatches, flight: Any) -> Any:
+        time.sleep(1.0)  # still settling when the time limit lands
+        return real_settle(self, flight)
+
+    monkeypatch.setattr(RelayBatches, "claim", slow_claim)
+    monkeypatch.setattr(RelayBatches, "settle", slow_settle)
+
+    def soft_limit(*_: Any) -> None:
+        raise SoftTimeLimitExceeded()
+
+    previous = signal.signal(signal.SIGALRM, soft_limit)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        result = make_relay(rsettings, engine, producers).run()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+    assert result.timed_out
+    assert result.published == 2  # the first batch, committed by its settle
+    assert [r.event_id for r in read_topic(kafka_broker, topic, expect=2)] == ids[:2]
+    assert [str(r["event_id"]) for r in outbox_rows(engine)] == ids[2:]
+
+
+def test_a_settle_that_breaks_is_reported_and_ends_the_pass(
+    rsettings, engine, producers, topic, kafka_broker, monkeypatch
+):
+    """Not a database error (a bug): the pass says so for each batch whose settle
+    broke (RelayCloseFailed), claims nothing more, and the error goes up to the
+    task."""
+    rsettings = rsettings.model_copy(update={"relay_batch_size": 16})
+    add_rows(engine, topic, 10)
+
+    def broken(self: RelayBatches, flight: Any) -> Any:
+        flight.abandon()
+        raise RuntimeError("settle broke")
+
+    monkeypatch.setattr(RelayBatches, "settle", broken)
+    bus = Bus()
+    failed: list[RelayCloseFailed] = []
+    bus.subscribe(RelayCloseFailed, failed.append)
+    with pytest.raises(RuntimeError, match="settle broke"):
+        make_relay(rsettings, engine, producers, bus=bus).run()
+    # the first batch's settle and the second's, sent while the first was settled;
+    # no claim after a settle that broke
+    assert [fact.error for fact in failed] == ["RuntimeError: settle broke"] * 2
+    assert len(outbox_rows(engine)) == 10  # nothing committed; sent again next pass
