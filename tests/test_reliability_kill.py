@@ -212,22 +212,33 @@ def batch_owner(engine: Engine) -> int | None:
     return int(out.split(marker, 1)[1].split(",", 1)[0]) if marker in out else None
 
 
-def client_ports(pid: int) -> set[int]:
-    """Local ports of the process's connections to PostgreSQL."""
+def backend_pids(engine: Engine, pid: int) -> set[int]:
+    """The PostgreSQL backends serving the process ``pid``'s connections: by their
+    client ports, read once while the process lives. Waited on by backend pid,
+    not by port: a port the killed process used (to PostgreSQL, closed without
+    TIME_WAIT, or to Redis) may be the next child's connection to PostgreSQL."""
     out = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True, text=True)
+    server_port = engine.url.port or 5432
     ports = set()
     for line in out.stdout.splitlines():
-        if f"pid={pid}," in line:
-            ports.add(int(line.split()[2].rsplit(":", 1)[1]))
-    return ports
+        fields = line.split()
+        if f"pid={pid}," in line and fields[3].rsplit(":", 1)[1] == str(server_port):
+            ports.add(int(fields[2].rsplit(":", 1)[1]))
+    with engine.connect() as conn:
+        return set(
+            conn.execute(
+                text("SELECT pid FROM pg_stat_activity WHERE client_port = ANY(:p)"),
+                {"p": list(ports)},
+            ).scalars()
+        )
 
 
-def backends_of(engine: Engine, ports: set[int]) -> bool:
+def any_alive(engine: Engine, backends: set[int]) -> bool:
     with engine.connect() as conn:
         return bool(
             conn.execute(
-                text("SELECT count(*) FROM pg_stat_activity WHERE client_port = ANY(:p)"),
-                {"p": list(ports)},
+                text("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(:p)"),
+                {"p": list(backends)},
             ).scalar()
         )
 
@@ -263,7 +274,8 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path):
                 break
             assert worker.proc is not None and owner[0] != worker.proc.pid
             time.sleep(rng.uniform(0, 0.02))
-            ports = client_ports(owner[0])
+            backends = backend_pids(db, owner[0])
+            assert backends, "no session of the batch's process found"
             try:
                 os.kill(owner[0], signal.SIGKILL)
             except ProcessLookupError:
@@ -271,7 +283,7 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path):
             victims.append(owner[0])
             kills += 1
             gone = wait_until(
-                lambda ports=ports: not backends_of(db, ports), LOCK_TTL, "sessions gone"
+                lambda backends=backends: not any_alive(db, backends), LOCK_TTL, "sessions gone"
             )
             waits.append(gone)
             audit_engine(db).assert_clean()
