@@ -224,22 +224,17 @@ def backend_pids(engine: Engine, pid: int) -> set[int]:
         fields = line.split()
         if f"pid={pid}," in line and fields[3].rsplit(":", 1)[1] == str(server_port):
             ports.add(int(fields[2].rsplit(":", 1)[1]))
+    return sessions(engine, "client_port", ports)
+
+
+def sessions(engine: Engine, column: str, values: set[int]) -> set[int]:
+    """The backend pids of the sessions whose ``column`` is one of ``values``."""
     with engine.connect() as conn:
         return set(
             conn.execute(
-                text("SELECT pid FROM pg_stat_activity WHERE client_port = ANY(:p)"),
-                {"p": list(ports)},
+                text(f"SELECT pid FROM pg_stat_activity WHERE {column} = ANY(:v)"),
+                {"v": list(values)},
             ).scalars()
-        )
-
-
-def any_alive(engine: Engine, backends: set[int]) -> bool:
-    with engine.connect() as conn:
-        return bool(
-            conn.execute(
-                text("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(:p)"),
-                {"p": list(backends)},
-            ).scalar()
         )
 
 
@@ -283,7 +278,9 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path):
             victims.append(owner[0])
             kills += 1
             gone = wait_until(
-                lambda backends=backends: not any_alive(db, backends), LOCK_TTL, "sessions gone"
+                lambda backends=backends: not sessions(db, "pid", backends),
+                LOCK_TTL,
+                "sessions gone",
             )
             waits.append(gone)
             audit_engine(db).assert_clean()
