@@ -471,15 +471,6 @@ def test_a_frozen_stop_pass_is_replaced_in_seconds_and_woken_changes_nothing(
     assert output_events(output, "recorder.lock_lost"), output[-3000:]
 
 
-def waiting_clients(bouncer: PgBouncer) -> int:
-    """Clients of the test database waiting for a server connection."""
-    return sum(
-        int(row["cl_waiting"])
-        for row in bouncer.admin("SHOW POOLS")
-        if row["database"] == bouncer.target.database
-    )
-
-
 def test_behind_pgbouncer_with_a_pool_of_one_the_relay_never_goes_on_without_its_lock(
     engine, kafka_broker, database_url, tmp_path
 ):
@@ -504,7 +495,7 @@ def test_behind_pgbouncer_with_a_pool_of_one_the_relay_never_goes_on_without_its
             # the pass still sets its lock up (then the pass fails on its lock
             # session's own statement, a database error, not a lost lock: seen
             # once under load).
-            wait_until(lambda: waiting_clients(bouncer) >= 1, 30, "the first claim waiting", 0.02)
+            wait_until(lambda: bouncer.waiting_clients() >= 1, 30, "the first claim waiting", 0.02)
             with engine.connect() as conn:
                 conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
             hit.proc.wait(timeout=60)

@@ -142,6 +142,14 @@ pidfile = {self.root / "pgbouncer.pid"}
             if row["database"] == self.target.database
         }
 
+    def waiting_clients(self) -> int:
+        """Clients of the database waiting for a server connection (``SHOW POOLS``)."""
+        return sum(
+            int(row["cl_waiting"])
+            for row in self.admin("SHOW POOLS")
+            if row["database"] == self.target.database
+        )
+
     def stop(self) -> None:
         if self.proc is not None:
             if self.proc.poll() is None:
