@@ -14,10 +14,11 @@ the ``duration_ms`` of an empty pass run right after, on the outbox the first
 one emptied, so what any pass costs whatever it relays is not counted against
 the events (the whole pass's ratio is printed and kept beside it).
 
-The relay's baseline is kafka-python alone: the same records (key, value,
-headers) from memory, the same producer settings (``reaper.kafka.producer_config``),
-every record sent, then one flush; no database. ``native_crc`` says whether
-kafka-python found the ``crc32c`` package (its CRC in C) in this environment.
+The relay's baseline is kafka-python alone (``bench.kafka_alone``, in a process
+of its own as the relay is): the same records (key, value, headers) from memory,
+the same producer settings (``reaper.kafka.producer_config``), every record sent,
+then one flush; no database. ``native_crc`` says whether kafka-python found the
+``crc32c`` package (its CRC in C) in this environment.
 """
 
 from __future__ import annotations
@@ -30,11 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 
 from bench.seed import connect, one_row
 from reaper.config import Settings
-from reaper.kafka import producer_config
 from reaper.traceids import traceparent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +49,18 @@ def fresh_backlog(url: str, count: int) -> int:
     (``bench.outbox_written``) while the outbox holds them, and read from there."""
     conn = connect(url)
     with conn, conn.cursor() as cur:
-        cur.execute("SELECT count(*) FROM messenger.integration_outbox")
-        if one_row(cur)[0] >= count:  # the drain's events: keep them for the next runs
+        cur.execute(
+            "SELECT count(*), to_regclass('bench.outbox_written') IS NOT NULL"
+            " FROM messenger.integration_outbox"
+        )
+        pending, kept = one_row(cur)
+        written = None
+        if kept:
+            cur.execute("SELECT count(*) FROM bench.outbox_written")
+            written = one_row(cur)[0]
+        # the drain's events, kept for the next runs; not a backlog written here
+        # before (still in the outbox when kafka-python alone went first)
+        if pending >= count and (written is None or pending > written):
             cur.execute("CREATE SCHEMA IF NOT EXISTS bench")
             cur.execute("DROP TABLE IF EXISTS bench.outbox_written")
             cur.execute(
@@ -87,13 +97,15 @@ def autovacuum_back(url: str) -> None:
     conn.close()
 
 
-def records(url: str) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
-    """The outbox rows as the relay sends them: key, value, the four headers."""
+def records(url: str, count: int) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
+    """The first ``count`` written events (what ``fresh_backlog`` puts in the outbox)
+    as the relay sends them: key, value, the four headers."""
     conn = connect(url)
     with conn, conn.cursor() as cur:
         cur.execute(
             "SELECT message_key, payload::text, event_id::text, payload ->> 'eventType',"
-            " payload ->> 'correlationId' FROM messenger.integration_outbox ORDER BY id"
+            " payload ->> 'correlationId' FROM bench.outbox_written ORDER BY position LIMIT %s",
+            (count,),
         )
         rows = cur.fetchall()
     conn.close()
@@ -172,18 +184,19 @@ def _json_line(line: str) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def baseline_rate(settings: Settings, topic: str, recs: list) -> float:
-    """kafka-python alone: the same records, the same settings, sent, then one flush."""
-    producer = KafkaProducer(**producer_config(settings))
-    try:
-        producer.partitions_for(topic)  # metadata before the clock starts
-        started = time.perf_counter()
-        for key, value, headers in recs:
-            producer.send(topic, key=key, value=value, headers=headers)
-        producer.flush(timeout=120)
-        return len(recs) / (time.perf_counter() - started)
-    finally:
-        producer.close(timeout=10)
+def kafka_alone(url: str, bootstrap: str, topic: str, count: int) -> float:
+    """kafka-python alone on the first ``count`` written events, in its own process
+    (``bench.kafka_alone``): events/s from its send loop and flush."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.kafka_alone", url, bootstrap, topic, str(count)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"kafka-python alone failed: {done.stderr[-2000:]}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["per_s"])
 
 
 def timestamps(bootstrap: str, topic: str, expect: int, timeout: float) -> dict[str, int]:

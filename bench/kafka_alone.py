@@ -1,0 +1,61 @@
+"""kafka-python alone, in a process of its own: the relay figure's baseline.
+
+    python -m bench.kafka_alone DATABASE_URL BOOTSTRAP TOPIC COUNT
+
+Sends the first ``COUNT`` of the bench's written events (``bench.outbox_written``,
+what ``bench.relay.fresh_backlog`` writes into the outbox) as the relay sends them
+(key, value, the four headers), with the relay's producer settings, then one
+flush; prints one JSON line: ``{"events": n, "per_s": rate}``.
+
+It is a process of its own for the same reasons ``reaper relay --once`` is one,
+and set up the same way: what a new process costs (imports, kafka-python's
+first use of its protocol classes, the first connection to the partition's
+leader) is in both clocks or in neither. Its start-up, its producer's connection
+and the topic's metadata are before the clock, as the relay's are; so is a
+``gc.freeze()`` of everything it holds, the records included: the relay holds
+two batches' rows at most, this baseline holds all of them, and the collector
+walking them would slow the baseline, not the relay. Measured in the bench's own
+process instead (until 6 December), after its in-process drains, kafka-python
+alone sent 50,000 events at 12,910-14,460 events/s where a process of its own
+sends them at 21,665-22,521; at 5,000 it ran in a warm process where the relay
+never does (docs/performance.md, "kafka-python alone in a process of its own").
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+from kafka import KafkaProducer
+
+from bench.relay import records, relay_settings
+from reaper.kafka import producer_config
+
+
+def rate(url: str, bootstrap: str, topic: str, count: int) -> float:
+    recs = records(url, count)
+    if len(recs) != count:
+        raise RuntimeError(f"{len(recs)} written events to send, wanted {count}")
+    producer = KafkaProducer(**producer_config(relay_settings(url, bootstrap, topic)))
+    try:
+        producer.partitions_for(topic)  # metadata before the clock starts
+        gc.freeze()
+        started = time.perf_counter()
+        for key, value, headers in recs:
+            producer.send(topic, key=key, value=value, headers=headers)
+        producer.flush(timeout=120)
+        return count / (time.perf_counter() - started)
+    finally:
+        producer.close(timeout=10)
+
+
+def main(argv: list[str]) -> int:
+    url, bootstrap, topic, count = argv
+    print(json.dumps({"events": int(count), "per_s": rate(url, bootstrap, topic, int(count))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
