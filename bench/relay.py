@@ -35,7 +35,8 @@ from kafka import KafkaConsumer, TopicPartition
 
 from bench.seed import connect, one_row
 from reaper.config import Settings
-from reaper.traceids import traceparent
+from reaper.queries import OutboxRow
+from reaper.relay import headers
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -99,29 +100,19 @@ def autovacuum_back(url: str) -> None:
 
 def records(url: str, count: int) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
     """The first ``count`` written events (what ``fresh_backlog`` puts in the outbox)
-    as the relay sends them: key, value, the four headers."""
+    as the relay sends them: key, value and the relay's own headers (``headers``)."""
     conn = connect(url)
     with conn, conn.cursor() as cur:
+        # OutboxRow's columns, in its order, as claim_outbox_batch returns them
         cur.execute(
-            "SELECT message_key, payload::text, event_id::text, payload ->> 'eventType',"
-            " payload ->> 'correlationId' FROM bench.outbox_written ORDER BY position LIMIT %s",
+            "SELECT position, event_id::text, topic, message_key, 0, payload::text,"
+            " payload ->> 'eventType', payload ->> 'correlationId'"
+            " FROM bench.outbox_written ORDER BY position LIMIT %s",
             (count,),
         )
-        rows = cur.fetchall()
+        rows = [OutboxRow._make(row) for row in cur.fetchall()]
     conn.close()
-    return [
-        (
-            key.encode(),
-            value.encode(),
-            [
-                ("event-id", event_id.encode()),
-                ("event-type", (event_type or "").encode()),
-                ("correlation-id", (correlation or "").encode()),
-                *([("traceparent", traceparent(correlation).encode())] if correlation else []),
-            ],
-        )
-        for key, value, event_id, event_type, correlation in rows
-    ]
+    return [(row.message_key.encode(), row.value.encode(), headers(row)) for row in rows]
 
 
 def relay_settings(url: str, bootstrap: str, topic: str) -> Settings:

@@ -31,8 +31,8 @@ from reaper.cycle import Reaper
 from reaper.events import Bus, CycleResult, RelayBatchCommitted, process_bus
 from reaper.kafka import ProducerSlot, Unavailable, producer_config
 from reaper.lease import PassLock
-from reaper.queries import Queries
-from reaper.relay import Relay, RelayBatches
+from reaper.queries import OutboxRow, Queries
+from reaper.relay import Relay, RelayBatches, headers
 from reaper.traceids import cycle_span_id_for
 from tests.conftest import ROOT
 from tests.support import factory as f
@@ -914,7 +914,7 @@ def test_soft_time_limit_ends_the_pass_and_marks_nothing(database_url, engine, p
 KILLED_RELAY = """
 import os, sys
 from reaper.config import Settings
-from reaper.queries import Queries
+from reaper.queries import OutboxRow, Queries
 from reaper.relay import Relay
 
 def killed(self, ids):
@@ -1175,24 +1175,16 @@ def test_relay_throughput_figures(database_url, engine, producers, topic, kafka_
     reap(settings.model_copy(update={"batch_size": 1000}), engine)
     # The same records as the relay will send them, straight from memory.
     with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT id, event_id::text, topic, message_key, attempts, payload::text,"
+                " payload ->> 'eventType', payload ->> 'correlationId'"
+                " FROM messenger.integration_outbox ORDER BY id"
+            )
+        )
         records = [
-            (
-                r.message_key.encode(),
-                r.value.encode(),
-                [
-                    ("event-id", r.event_id.encode()),
-                    ("event-type", r.event_type.encode()),
-                    ("correlation-id", r.correlation_id.encode()),
-                ],
-            )
-            for r in conn.execute(
-                text(
-                    "SELECT message_key, payload::text AS value, event_id::text AS event_id,"
-                    " payload ->> 'eventType' AS event_type,"
-                    " payload ->> 'correlationId' AS correlation_id"
-                    " FROM messenger.integration_outbox ORDER BY id"
-                )
-            )
+            (row.message_key.encode(), row.value.encode(), headers(row))
+            for row in map(OutboxRow._make, rows)
         ]
     baseline_topic = f"{topic}.baseline"
     create_topic(kafka_broker, baseline_topic)
