@@ -42,22 +42,18 @@ def drained(engine: Engine, database_url: str) -> Iterator[str]:
             conn.execute(text("DROP SCHEMA IF EXISTS bench CASCADE"))
 
 
-def written(engine: Engine) -> list[str]:
+def keys(engine: Engine, rows: str) -> list[str]:
+    """The message keys of ``rows`` (a table and its order), in that order."""
     with engine.connect() as conn:
-        return list(
-            conn.execute(text("SELECT message_key FROM bench.outbox_written ORDER BY position"))
-            .scalars()
-            .all()
-        )
+        return list(conn.execute(text(f"SELECT message_key FROM {rows}")).scalars().all())
+
+
+def written(engine: Engine) -> list[str]:
+    return keys(engine, "bench.outbox_written ORDER BY position")
 
 
 def pending(engine: Engine) -> list[str]:
-    with engine.connect() as conn:
-        return list(
-            conn.execute(text("SELECT message_key FROM messenger.integration_outbox ORDER BY id"))
-            .scalars()
-            .all()
-        )
+    return keys(engine, "messenger.integration_outbox ORDER BY id")
 
 
 def test_fresh_backlog_keeps_the_drains_events_while_a_backlog_of_its_own_is_pending(
