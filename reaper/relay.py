@@ -4,7 +4,9 @@ A pass is a pipeline of batches, each in its own transaction, in five steps:
 
 1. **claim** due rows (``FOR UPDATE SKIP LOCKED``, oldest first, at most one
    row per message key ahead of an earlier pending row of that key);
-2. **send** the first round: the oldest row of every key, as one burst;
+2. **send** the first round: the oldest row of every key, as one burst, each
+   record with its partition given (the default partitioner's choice, computed
+   for the batch's keys at once: reaper/partitions.py);
 3. **await** every acknowledgement of the round (``future.get`` per record),
    then send the next round (the next row of each acknowledged key);
 4. **mark**: delete each row at its own acknowledgement
@@ -94,6 +96,7 @@ from reaper.events import (
 from reaper.kafka import ProducerSlot, Unavailable, diagnose, process_slot
 from reaper.lease import Heartbeat, PassLock, pass_lock
 from reaper.logs import get_logger, log
+from reaper.partitions import Partitions, key_hashes
 from reaper.queries import OutboxRow, Queries
 from reaper.traceids import traceparent
 
@@ -170,6 +173,8 @@ class InFlight:
     rows: list[OutboxRow] = field(default_factory=list)
     report: BatchReport = field(default_factory=BatchReport)
     by_key: OrderedDict[str, deque[OutboxRow]] = field(default_factory=OrderedDict)
+    # each key's bytes and its murmur2, hashed with the claim (reaper/partitions.py)
+    keys: dict[str, tuple[bytes, int]] = field(default_factory=dict)
     producer: KafkaProducer | None = None
     sent: list[tuple[OutboxRow, Any]] = field(default_factory=list)
 
@@ -417,6 +422,10 @@ class RelayBatches:
             self.lock.heartbeat.tend(conn)
             for row in flight.rows:  # id order, so each key's queue is in commit order
                 flight.by_key.setdefault(row.message_key, deque()).append(row)
+            # hashed here, beside the sends of the batch before, not on the sending thread
+            keys = [key.encode() for key in flight.by_key]
+            hashed = zip(keys, key_hashes(keys), strict=True)
+            flight.keys = dict(zip(flight.by_key, hashed, strict=True))
         except BaseException:
             flight.abandon()
             raise
@@ -432,20 +441,25 @@ class RelayBatches:
             flight.report.unavailable = exc
         else:
             heads = [queue[0] for queue in flight.by_key.values()]
-            flight.sent = self._send(flight.producer, heads, flight.report)
+            flight.sent = self._send(flight, heads)
 
-    def _send(
-        self, producer: KafkaProducer, rows: list[OutboxRow], report: BatchReport
-    ) -> list[tuple[OutboxRow, Any]]:
-        """One round: at most one row per key, all sent before any is awaited."""
+    def _send(self, flight: InFlight, rows: list[OutboxRow]) -> list[tuple[OutboxRow, Any]]:
+        """One round: at most one row per key, all sent before any is awaited. Each
+        record's partition is given, the one kafka-python's default partitioner
+        would choose (reaper/partitions.py)."""
+        assert flight.producer is not None
+        producer, report = flight.producer, flight.report
+        partitions = Partitions(producer)
         sent: list[tuple[OutboxRow, Any]] = []
         for row in rows:
+            key, key_hash = flight.keys[row.message_key]
             try:
                 future = producer.send(
                     row.topic,
-                    key=row.message_key.encode(),
+                    key=key,
                     value=row.value.encode(),
                     headers=headers(row),
+                    partition=partitions.of(row.topic, key_hash),
                 )
             except SoftTimeLimitExceeded:
                 raise
@@ -535,7 +549,7 @@ class RelayBatches:
                         following.append(queue[0])
             if not following or time.monotonic() >= rounds_until:
                 break
-            sent = self._send(flight.producer, following, report)
+            sent = self._send(flight, following)
         # rows behind a failed or parked row of their key (or not reached) wait
         report.held_back = sum(len(q) - 1 for q in flight.by_key.values() if q)
 

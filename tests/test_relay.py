@@ -261,8 +261,10 @@ class AckedSlot(ProducerSlot):
         slot = self
 
         class Producer:
-            def send(self, topic, *, key, value, headers):
-                future = real.send(topic, key=key, value=value, headers=headers)
+            def send(self, topic, *, key, value, headers, partition):
+                future = real.send(
+                    topic, key=key, value=value, headers=headers, partition=partition
+                )
                 event_id = dict(headers)["event-id"].decode()
 
                 def acknowledged(meta) -> None:
@@ -291,11 +293,11 @@ class FailingSlot(ProducerSlot):
         slot = self
 
         class Producer:
-            def send(self, topic, *, key, value, headers):
+            def send(self, topic, *, key, value, headers, partition):
                 event_id = dict(headers)["event-id"].decode()
                 if event_id in slot.failures:
                     return _Failed(slot.failures.pop(event_id))
-                return real.send(topic, key=key, value=value, headers=headers)
+                return real.send(topic, key=key, value=value, headers=headers, partition=partition)
 
             def __getattr__(self, name):
                 return getattr(real, name)
