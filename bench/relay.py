@@ -175,11 +175,15 @@ def _json_line(line: str) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def kafka_alone(url: str, bootstrap: str, topic: str, count: int) -> float:
+def kafka_alone(
+    url: str, bootstrap: str, topic: str, count: int, *, partitions_given: bool = False
+) -> float:
     """kafka-python alone on the first ``count`` written events, in its own process
-    (``bench.kafka_alone``): events/s from its send loop and flush."""
+    (``bench.kafka_alone``): events/s from its send loop and flush; with
+    ``partitions_given``, each record's partition chosen as the relay chooses it."""
+    given = ["--partitions-given"] if partitions_given else []
     done = subprocess.run(
-        [sys.executable, "-m", "bench.kafka_alone", url, bootstrap, topic, str(count)],
+        [sys.executable, "-m", "bench.kafka_alone", url, bootstrap, topic, str(count), *given],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -7,6 +7,7 @@ the rates are the bench's business."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -97,3 +98,23 @@ def test_kafka_alone_sends_the_first_written_events_as_the_relay_does(
         }
         for event_id, payload in rows
     ]
+
+
+def test_kafka_alone_with_the_partitions_given_puts_each_key_where_kafka_python_does(
+    drained: str, kafka_broker: str
+) -> None:
+    """The bench's second baseline sends as the relay does (partitions hashed a
+    batch at a time, given to send): on the partitions kafka-python alone chooses."""
+    bench_kafka.fresh_backlog(drained, EVENTS)
+    stock, given = (f"bench.alone.{uuid.uuid4().hex[:8]}.{side}" for side in ("stock", "given"))
+    for topic in (stock, given):
+        create_topic(kafka_broker, topic, partitions=3)
+    assert bench_kafka.kafka_alone(drained, kafka_broker, stock, EVENTS) > 0
+    assert bench_kafka.kafka_alone(drained, kafka_broker, given, EVENTS, partitions_given=True) > 0
+
+    def partition_by_key(topic: str) -> dict[str, int]:
+        return {r.key: r.partition for r in read_topic(kafka_broker, topic, expect=EVENTS)}
+
+    chosen = partition_by_key(given)
+    assert chosen == partition_by_key(stock)
+    assert len(chosen) == EVENTS and len(set(chosen.values())) > 1

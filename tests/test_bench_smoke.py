@@ -78,10 +78,13 @@ def test_bench_tiny_prints_every_figure(tmp_path, database_url):
     assert all(d["rooms"] == raw["sizes"]["eligible"] for d in raw["drain"])
     quiet = next(r for f, r in rows.items() if f.startswith("quiet"))
     assert 0 < quiet["reaper"] < 10_000 and 0 < quiet["baseline"] < 10_000  # ms
-    relays = [r for f, r in rows.items() if f.startswith("relay, ")]
-    assert len(relays) == 2 and all(r["reaper"] > 0 and r["baseline"] > 0 for r in relays)
+    relays = {f: r for f, r in rows.items() if f.startswith("relay, ")}
+    # each size against kafka-python alone, and (info) against it with the partitions given
+    assert sum("partitions given" in f for f in relays) == 2 and len(relays) == 4
+    assert all(r["reaper"] > 0 and r["baseline"] > 0 for r in relays.values())
     sizes = raw["sizes"]
     assert [r["events"] for r in raw["relay"]] == [sizes["relay"], sizes["relay_small"]]
+    assert all(r["partitions_given_per_s"] > 0 for r in raw["relay"])
     incident = raw["incident"]
     assert incident["rooms"] == sizes["eligible"]
     assert 0 < incident["to_closed_s"] <= incident["to_kafka_s"]
