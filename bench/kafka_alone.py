@@ -36,11 +36,9 @@ import time
 
 from kafka import KafkaProducer
 
-from bench.relay import records, relay_settings
+from bench.relay import Record, records, relay_settings
 from reaper.kafka import producer_config
 from reaper.partitions import Partitions, key_hashes
-
-Record = tuple[bytes, bytes, list[tuple[str, bytes]]]
 
 
 def rate(url: str, bootstrap: str, topic: str, count: int, partitions_given: bool) -> float:

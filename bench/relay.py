@@ -40,6 +40,8 @@ from reaper.relay import headers
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# a record as the relay sends it: key, value, headers
+Record = tuple[bytes, bytes, list[tuple[str, bytes]]]
 
 
 def fresh_backlog(url: str, count: int) -> int:
@@ -98,7 +100,7 @@ def autovacuum_back(url: str) -> None:
     conn.close()
 
 
-def records(url: str, count: int) -> list[tuple[bytes, bytes, list[tuple[str, bytes]]]]:
+def records(url: str, count: int) -> list[Record]:
     """The first ``count`` written events (what ``fresh_backlog`` puts in the outbox)
     as the relay sends them: key, value and the relay's own headers (``headers``)."""
     conn = connect(url)

@@ -324,18 +324,15 @@ def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -
                     pending = bench_kafka.fresh_backlog(url, count)
                     if pending != count:
                         raise RuntimeError(f"{pending} outbox rows to relay, wanted {count}")
+                    alone: dict[str, float] = {}  # kafka-python alone, as it comes and given
                     for side in order:
-                        if side == "baseline":
-                            one_base = bench_kafka.kafka_alone(
-                                url, broker.bootstrap, f"{TOPIC}.baseline", count
-                            )
-                        elif side == "given":
-                            one_given = bench_kafka.kafka_alone(
+                        if side in ("baseline", "given"):
+                            alone[side] = bench_kafka.kafka_alone(
                                 url,
                                 broker.bootstrap,
                                 f"{TOPIC}.baseline",
                                 count,
-                                partitions_given=True,
+                                partitions_given=side == "given",
                             )
                         else:
                             ours = bench_kafka.relay_once(url, broker.bootstrap, TOPIC, count)
@@ -345,6 +342,7 @@ def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -
                             empty = bench_kafka.relay_once(url, broker.bootstrap, TOPIC, 0)
                 finally:
                     bench_kafka.autovacuum_back(url)
+                one_base, one_given = alone["baseline"], alone["given"]
                 # the events over what the pass spent on them: less an empty pass
                 one_rate = count / max(ours["pass_s"] - empty["pass_s"], 0.001)
                 whole = count / ours["pass_s"]

@@ -916,7 +916,7 @@ def test_soft_time_limit_ends_the_pass_and_marks_nothing(database_url, engine, p
 KILLED_RELAY = """
 import os, sys
 from reaper.config import Settings
-from reaper.queries import OutboxRow, Queries
+from reaper.queries import Queries
 from reaper.relay import Relay
 
 def killed(self, ids):
