@@ -104,7 +104,7 @@ def time_claim(conn: Connection, stored_as_is: bool) -> tuple[float, int]:
         pid = begin_relay_transaction(conn)
         started = time.perf_counter()
         rows = conn.execute(
-            text(claim_sql(stored_as_is)), {"batch_size": BATCH, "holder_pid": pid}
+            text(claim_sql(stored_as_is)), {"batch_size": BATCH, "holder_pid": pid, "from_id": 0}
         ).all()
         if stored_as_is:  # psycopg2 parsed the jsonb: the record needs its bytes again
             values = [json.dumps(row.value).encode() for row in rows]
@@ -123,7 +123,8 @@ def time_mark(conn: Connection, delete: bool) -> float:
     with conn.begin():
         pid = begin_relay_transaction(conn)
         rows = conn.execute(
-            text(load()["claim_outbox_batch"].text), {"batch_size": BATCH, "holder_pid": pid}
+            text(load()["claim_outbox_batch"].text),
+            {"batch_size": BATCH, "holder_pid": pid, "from_id": 0},
         ).all()
         ids = [row.id for row in rows]
         assert len(ids) == BATCH, len(ids)

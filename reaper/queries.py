@@ -394,10 +394,18 @@ class Queries:
     def relay_planner(self) -> None:
         _run(self.conn, "relay_planner")
 
-    def claim_outbox_batch(self, batch_size: int, holder_pid: int | None) -> list[OutboxRow]:
-        """A batch of due rows, locked; none once the relay lock is no longer held by
-        ``holder_pid`` (None: a pass that takes no lock)."""
-        result = _run(self.conn, "claim_outbox_batch", batch_size=batch_size, holder_pid=holder_pid)
+    def claim_outbox_batch(
+        self, batch_size: int, holder_pid: int | None, from_id: int = 0
+    ) -> list[OutboxRow]:
+        """A batch of due rows from id ``from_id`` on (0: all), locked; none once the
+        relay lock is no longer held by ``holder_pid`` (None: a pass that takes no lock)."""
+        result = _run(
+            self.conn,
+            "claim_outbox_batch",
+            batch_size=batch_size,
+            holder_pid=holder_pid,
+            from_id=from_id,
+        )
         if tuple(result.keys()) != OutboxRow._fields:  # the rows are read by position
             raise RuntimeError(f"claim_outbox_batch returns {list(result.keys())}")
         return list(map(OutboxRow._make, result))

@@ -77,6 +77,7 @@ from sqlalchemy import Connection, Engine, RootTransaction
 from sqlalchemy.exc import SQLAlchemyError
 
 from reaper import budgets
+from reaper.clock import Monotonic, monotonic
 from reaper.config import Settings
 from reaper.db import begin, engine_of, transaction
 from reaper.errors import describe
@@ -107,6 +108,11 @@ logger = get_logger("relay")
 PASS_CONNECTIONS = 3
 RETENTION_BATCH = 1_000
 RETENTION_MAX_BATCHES = 20
+# The longest a claimable row waits for a claim that walks from the oldest
+# pending row, while a pass goes on: claims in between start after the batch
+# claimed before them (ClaimFloor) and pass over what was not claimable when
+# the walk went by.
+FULL_WALK_EVERY_S = 1.0
 # "Kafka is not there", not "this record was refused": the pass stops at once
 # instead of waiting out every remaining record.
 UNAVAILABLE = (kafka_errors.KafkaTimeoutError, kafka_errors.KafkaConnectionError)
@@ -187,6 +193,49 @@ class InFlight:
                 self.transaction.rollback()
         with suppress(SQLAlchemyError):
             self.conn.close()
+
+
+class ClaimFloor:
+    """Where a pass's next claim starts its walk of the pending rows.
+
+    A claim walks the pending rows in id order. Rows deleted since the last
+    vacuum are still in the pending index, and while a snapshot older than
+    their deletion is held anywhere in the database (a report, a backup) no
+    scan can mark them dead: a walk from the oldest pending row visits every
+    one of them in the heap again, each claim, and the rows a pass deletes
+    pile up in front of its own later claims. So a claim starts right after
+    the batch claimed before it. Below that point it would miss what was not
+    claimable when the earlier walk went by: a back-off that ran out, a later
+    row of a key whose earlier row was in flight, a row whose transaction
+    committed after rows with higher ids. Those wait for the next walk from
+    the start: the pass's first claim, one at least every ``every_s``, and one
+    whenever a claim after the last batch finds nothing (RelayBatches.claim), so
+    a pass never ends on a walk that started above a claimable row. Per-key order does not depend
+    on where a walk starts: the claim's probes for an earlier row of a key are
+    never floored.
+    """
+
+    def __init__(self, every_s: float = FULL_WALK_EVERY_S, clock: Monotonic = monotonic) -> None:
+        self.every_s = every_s
+        self.clock = clock
+        self.next_id = 0  # after the last batch claimed; 0: from the start
+        self.walked_at: float | None = None  # the last walk from the start
+
+    def start(self) -> int:
+        """The id the next claim starts from: 0 when a walk from the start is due."""
+        now = self.clock()
+        if self.walked_at is None or now - self.walked_at >= self.every_s:
+            return self.from_start()
+        return self.next_id
+
+    def from_start(self) -> int:
+        self.walked_at = self.clock()
+        return 0
+
+    def claimed(self, rows: list[OutboxRow]) -> None:
+        """The next claim starts after these (in id order, as the claim returns them)."""
+        if rows:
+            self.next_id = rows[-1].id + 1
 
 
 class Relay:
@@ -403,6 +452,7 @@ class RelayBatches:
         self.bus = bus
         self.lock = lock
         self.kafka_timeout = settings.kafka_timeout.total_seconds()
+        self.floor = ClaimFloor()
 
     # -- claim; send the first round -----------------------------------------
 
@@ -413,7 +463,13 @@ class RelayBatches:
         flight = InFlight(conn, tx, self.lock.heartbeat)
         try:
             queries.relay_planner()
-            flight.rows = queries.claim_outbox_batch(size, self.lock.holder_pid)
+            start = self.floor.start()
+            flight.rows = queries.claim_outbox_batch(size, self.lock.holder_pid, start)
+            if not flight.rows and start:
+                # nothing after the last batch: from the start, before the pass may end
+                start = self.floor.from_start()
+                flight.rows = queries.claim_outbox_batch(size, self.lock.holder_pid, start)
+            self.floor.claimed(flight.rows)
             flight.report.claimed = len(flight.rows)
             if not flight.rows:  # nothing due, or the lock is gone (the fence)
                 flight.abandon()

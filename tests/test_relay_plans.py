@@ -134,7 +134,7 @@ def rows_removed(plan: dict[str, Any]) -> int:
 def claim(conn: Connection) -> dict[str, Any]:
     """The claim's parameters, fenced on this session's relay lock (a pass's)."""
     pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-    return {"batch_size": BATCH, "holder_pid": pid}
+    return {"batch_size": BATCH, "holder_pid": pid, "from_id": 0}
 
 
 def test_the_claim_keeps_its_plan_whatever_the_statistics(outbox: Connection) -> None:
