@@ -20,7 +20,16 @@ same database holds a ``REPEATABLE READ`` snapshot open (its horizon keeps every
 deleted row version, and their index entries, alive). Per incident: the relay's
 rate (events over the pass's own ``duration_ms``), its ratio to the first
 incident's, the outbox's size (``pg_total_relation_size``) and its dead tuples
-(``pg_stat_user_tables.n_dead_tup``). The goals, each printed PASS or FAIL:
+(``pg_stat_user_tables.n_dead_tup``), the WAL written while the relay ran and
+the checkpoints started during the incident. Beside each relay pass, just before
+and just after it, kafka-python alone sends the same incident's records
+(``bench.kafka_alone``, in its own process, to a topic of its own): a pass is a
+few seconds, and this machine's speed moves by a tenth or more from one to the
+next; the relay's rate over that baseline, against the first incident's, says
+what the outbox's state costs apart from the machine's (printed as INFO). The
+records are those of one drain made before the first incident and kept aside
+(``bench.outbox_written``); the outbox is truncated after it. The goals, each
+printed PASS or FAIL, are on the relay's own rate, as the issue sets them:
 
 * the sixth incident's rate >= 0.9x the first's;
 * each held-snapshot incident's rate >= 0.7x the first's;
@@ -91,6 +100,12 @@ SELECT pg_total_relation_size('messenger.integration_outbox'),
          WHERE published_at IS NULL AND parked_at IS NULL)
 """
 
+# Checkpoints started so far, by server version (17 moved them to pg_stat_checkpointer)
+CHECKPOINTS = {
+    True: "SELECT num_timed + num_requested FROM pg_stat_checkpointer",
+    False: "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter",
+}
+
 # the rows still to send (the marking baseline's sent rows stay, marked)
 PENDING = """
 SELECT count(*) FROM messenger.integration_outbox WHERE published_at IS NULL AND parked_at IS NULL
@@ -109,8 +124,24 @@ class Incident:
     outbox_bytes: int
     dead_tuples: int
     rows_left: int
+    # kafka-python alone on the same records, just before and just after the relay
+    alone_before_per_s: float = 0.0
+    alone_after_per_s: float = 0.0
+    relay_wal_bytes: int = 0  # WAL written while the relay ran (its deletes' above all)
+    checkpoints: int = 0  # checkpoints started from the incident's drain to its relay's end
     vacuumed_after: bool = False
     ratio: float = 0.0
+    ratio_to_alone: float = 0.0
+
+    @property
+    def alone_per_s(self) -> float:
+        """The client's limit while the relay ran: the mean of the two beside it."""
+        return (self.alone_before_per_s + self.alone_after_per_s) / 2
+
+    @property
+    def to_alone(self) -> float:
+        """The relay's rate against the client's limit measured beside it."""
+        return self.relay_per_s / self.alone_per_s
 
 
 @dataclass
@@ -121,6 +152,53 @@ class Goal:
 
     def line(self) -> str:
         return f"GOAL {self.text}: {self.value} {'PASS' if self.passed else 'FAIL'}"
+
+
+def keep_records(url: str, rooms: int, as_of: datetime, batch_size: int) -> int:
+    """One incident's events kept aside for kafka-python alone (``bench.outbox_written``,
+    what ``bench.kafka_alone`` sends): the rooms closed once before the first incident,
+    their outbox rows copied, the outbox truncated, so the first incident meets an outbox
+    as empty and unread as before."""
+    put_back(url)
+    counts, _ = drain.reaper_drain(url, as_of, batch_size, rooms)
+    if sum(counts.values()) != rooms:
+        raise RuntimeError(f"the baseline's drain closed {sum(counts.values())} of {rooms} rooms")
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("CREATE SCHEMA IF NOT EXISTS bench")
+        cur.execute("DROP TABLE IF EXISTS bench.outbox_written")
+        cur.execute(
+            "CREATE TABLE bench.outbox_written AS SELECT id AS position, event_id, topic,"
+            " message_key, payload FROM messenger.integration_outbox"
+        )
+        cur.execute("SELECT count(*) FROM bench.outbox_written")
+        (kept,) = one_row(cur)
+        cur.execute("TRUNCATE messenger.integration_outbox RESTART IDENTITY")
+    conn.close()
+    return int(kept)
+
+
+def wal_state(url: str) -> tuple[str, int]:
+    """Where the WAL is, and how many checkpoints have started."""
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT pg_current_wal_lsn()::text")
+        (lsn,) = one_row(cur)
+        cur.execute("SELECT current_setting('server_version_num')::int >= 170000")
+        (newer,) = one_row(cur)
+        cur.execute(CHECKPOINTS[bool(newer)])
+        (count,) = one_row(cur)
+    conn.close()
+    return str(lsn), int(count)
+
+
+def wal_since(url: str, lsn: str) -> int:
+    conn = connect(url)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)", (lsn,))
+        (diff,) = one_row(cur)
+    conn.close()
+    return int(diff)
 
 
 def put_back(url: str) -> None:
@@ -199,9 +277,11 @@ def one_incident(
     topic: str,
     held: bool,
     batch_size: int,
+    alone_topic: str,
     marking: bool = False,
 ) -> Incident:
     put_back(url)
+    _, checkpoints_before = wal_state(url)
     counts, drain_s = drain.reaper_drain(url, as_of, batch_size, rooms)
     closed = sum(counts.values())
     if closed != rooms:
@@ -212,7 +292,15 @@ def one_incident(
         (events,) = one_row(cur)
     conn.close()
     command = [sys.executable, "-m", "bench.marking_relay"] if marking else None
+    # The client's limit on each side of the relay's pass, on the same machine a few
+    # seconds apart: what the machine's own speed does to an incident's rate is in
+    # both, what the outbox's state does is in the relay's alone.
+    before = bench_kafka.kafka_alone(url, bootstrap, alone_topic, int(events))
+    lsn, _ = wal_state(url)
     ours = bench_kafka.relay_once(url, bootstrap, topic, int(events), command)
+    relay_wal = wal_since(url, lsn)
+    _, checkpoints_after = wal_state(url)
+    after = bench_kafka.kafka_alone(url, bootstrap, alone_topic, int(events))
     size, dead, left = outbox_state(url)
     if left:
         raise RuntimeError(f"incident {number}: {left} outbox rows pending after the relay")
@@ -227,6 +315,10 @@ def one_incident(
         outbox_bytes=size,
         dead_tuples=dead,
         rows_left=left,
+        alone_before_per_s=before,
+        alone_after_per_s=after,
+        relay_wal_bytes=relay_wal,
+        checkpoints=checkpoints_after - checkpoints_before,
     )
 
 
@@ -277,7 +369,20 @@ def report(
             "VARIANT --vacuum-between: a plain VACUUM of the outbox after each incident's"
             " figures (not the reaper's own behaviour)"
         )
-    header = ("incident", "snapshot", "events", "relay events/s", "vs first", "outbox", "dead tup")
+    header = (
+        "incident",
+        "snapshot",
+        "events",
+        "relay events/s",
+        "vs first",
+        "alone events/s",
+        "relay/alone",
+        "vs first",
+        "outbox",
+        "dead tup",
+        "relay WAL",
+        "ckpts",
+    )
     body = [
         (
             str(inc.number),
@@ -285,8 +390,13 @@ def report(
             f"{inc.events:,}",
             f"{inc.relay_per_s:,.0f}",
             f"{inc.ratio:.2f}x",
+            f"{inc.alone_before_per_s:,.0f}-{inc.alone_after_per_s:,.0f}",
+            f"{inc.to_alone:.2f}x",
+            f"{inc.ratio_to_alone:.2f}x",
             f"{inc.outbox_bytes / 2**20:.1f} MiB",
             f"{inc.dead_tuples:,}",
+            f"{inc.relay_wal_bytes / 2**20:.1f} MiB",
+            str(inc.checkpoints),
         )
         for inc in incidents
     ]
@@ -295,6 +405,11 @@ def report(
     lines.append("-+-".join("-" * w for w in widths))
     lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in body]
     lines += [goal.line() for goal in found]
+    lines += [
+        f"INFO incident {inc.number}'s relay rate over kafka-python alone's beside it,"
+        f" against the first's: {inc.ratio_to_alone:.2f}x"
+        for inc in incidents[INCIDENTS - 1 :]
+    ]
     if autovacuum != "on" and not vacuum:
         lines.append(
             "note: autovacuum is off on this cluster: the deleted rows' versions stay until a"
@@ -327,24 +442,40 @@ def series(
     autovacuum = autovacuum_setting(url)
     broker = Tansu().start()
     topic = f"bench.sustained.{uuid.uuid4().hex[:8]}"
+    alone_topic = f"{topic}.alone"  # kafka-python alone's records beside the relay's
     incidents: list[Incident] = []
     holder: psycopg2.extensions.connection | None = None
     label = "marking baseline" if marking else "sustained"
     try:
         create_topic(broker.bootstrap, topic)
+        create_topic(broker.bootstrap, alone_topic)
+        kept = keep_records(url, rooms, as_of, batch_size)
         # one pass over the empty outbox first: the broker's topic, the database's
         # catalogs and the relay's statements are warm for the first incident, whose
         # rate every other incident is held to
         bench_kafka.relay_once(url, broker.bootstrap, topic, 0)
+        bench_kafka.kafka_alone(url, broker.bootstrap, alone_topic, min(kept, 1000))  # its topic
         for number in range(1, INCIDENTS + HELD_INCIDENTS + 1):
             held = number > INCIDENTS
             if held and holder is None:
                 holder = hold_snapshot(url)
             inc = one_incident(
-                url, number, rooms, as_of, broker.bootstrap, topic, held, batch_size, marking
+                url,
+                number,
+                rooms,
+                as_of,
+                broker.bootstrap,
+                topic,
+                held,
+                batch_size,
+                alone_topic,
+                marking,
             )
-            first = incidents[0].relay_per_s if incidents else inc.relay_per_s
-            inc.ratio = inc.relay_per_s / first
+            if inc.events != kept:
+                raise RuntimeError(f"incident {number}: {inc.events} events, {kept} kept")
+            first = incidents[0] if incidents else inc
+            inc.ratio = inc.relay_per_s / first.relay_per_s
+            inc.ratio_to_alone = inc.to_alone / first.to_alone
             if vacuum_between:
                 vacuum_outbox(url)  # after the figures: the next incident meets it vacuumed
                 inc.vacuumed_after = True
@@ -352,6 +483,8 @@ def series(
             say(
                 f"{label} incident {number}{' (held snapshot)' if held else ''}:"
                 f" {inc.events:,} events, relay {inc.relay_per_s:,.0f}/s ({inc.ratio:.2f}x),"
+                f" kafka-python alone {inc.alone_before_per_s:,.0f}/s before,"
+                f" {inc.alone_after_per_s:,.0f}/s after ({inc.ratio_to_alone:.2f}x against it),"
                 f" outbox {inc.outbox_bytes / 2**20:.1f} MiB, {inc.dead_tuples:,} dead tuples"
             )
     finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -156,6 +157,9 @@ def test_bench_sustained_prints_every_incident_and_goal(tmp_path, database_url):
     assert len(goals) == len(expected), out
     for goal, start in zip(goals, expected, strict=True):
         assert goal.startswith(start) and goal.endswith((" PASS", " FAIL")), goal
+    info = [line for line in out.splitlines() if line.startswith("INFO incident ")]
+    assert [line.split("'")[0] for line in info] == [f"INFO incident {n}" for n in range(6, 10)]
+    assert all(re.search(r"alone's beside it, against the first's: \d+\.\d\dx$", i) for i in info)
 
     result = json.loads(report.read_text())
     incidents = result["incidents"]
@@ -163,6 +167,11 @@ def test_bench_sustained_prints_every_incident_and_goal(tmp_path, database_url):
     events = incidents[0]["events"]
     assert events > 0 and all(i["events"] == events and i["rows_left"] == 0 for i in incidents)
     assert all(i["relay_per_s"] > 0 and i["outbox_bytes"] > 0 for i in incidents)
+    # kafka-python alone on each side of every relay pass, and the relay's WAL
+    assert all(i["alone_before_per_s"] > 0 and i["alone_after_per_s"] > 0 for i in incidents)
+    assert all(i["relay_wal_bytes"] > 0 and i["checkpoints"] >= 0 for i in incidents)
+    assert incidents[0]["ratio_to_alone"] == 1.0
+    assert all(i["ratio_to_alone"] > 0 for i in incidents)
     # the last incident's deleted rows stay dead versions: the held snapshot keeps
     # them from any vacuum or pruning
     assert incidents[-1]["dead_tuples"] >= events
