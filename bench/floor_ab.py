@@ -58,7 +58,7 @@ def outbox_pass(engine: Engine, batch: int, floored: bool) -> tuple[float, int, 
             start = floor.start() if floored else 0
             rows = queries.claim_outbox_batch(batch, None, start)
             claims += 1
-            if not rows and start:  # as RelayBatches.claim: from the start before the end
+            if not rows and start:  # nothing in flight: from the start before the end
                 start = floor.from_start()
                 rows = queries.claim_outbox_batch(batch, None, start)
                 claims += 1

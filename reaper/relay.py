@@ -209,8 +209,10 @@ class ClaimFloor:
     row of a key whose earlier row was in flight, a row whose transaction
     committed after rows with higher ids. Those wait for the next walk from
     the start: the pass's first claim, one at least every ``every_s``, and one
-    whenever a claim after the last batch finds nothing (RelayBatches.claim), so
-    a pass never ends on a walk that started above a claimable row. Per-key order does not depend
+    whenever a claim with no batch in flight finds nothing after the last batch
+    (RelayBatches.claim), so a pass never ends on a walk that started above a
+    claimable row. A claim beside a batch in flight that finds nothing does not
+    end the pass, and walks no further. Per-key order does not depend
     on where a walk starts: the claim's probes for an earlier row of a key are
     never floored.
     """
@@ -365,7 +367,7 @@ class Relay:
                     report = _settled(settles)
                     report.add_to(result)
                     if not _ends(report) and more():
-                        sending = batches.claim(size)
+                        sending = batches.claim(size, may_end=True)
             while settles:
                 _settled(settles).add_to(result)
         except SoftTimeLimitExceeded:
@@ -456,8 +458,9 @@ class RelayBatches:
 
     # -- claim; send the first round -----------------------------------------
 
-    def claim(self, size: int) -> InFlight | None:
-        """Claim up to ``size`` due rows in a new transaction; None when nothing is due."""
+    def claim(self, size: int, *, may_end: bool = False) -> InFlight | None:
+        """Claim up to ``size`` due rows in a new transaction; None when nothing is due.
+        ``may_end``: no batch is in flight, so finding nothing ends the pass."""
         conn = self.engine.connect()
         tx, queries = begin(conn, budgets.relay_batch(self.settings))
         flight = InFlight(conn, tx, self.lock.heartbeat)
@@ -465,8 +468,8 @@ class RelayBatches:
             queries.relay_planner()
             start = self.floor.start()
             flight.rows = queries.claim_outbox_batch(size, self.lock.holder_pid, start)
-            if not flight.rows and start:
-                # nothing after the last batch: from the start, before the pass may end
+            if not flight.rows and start and may_end:
+                # nothing after the last batch: from the start, before the pass ends
                 start = self.floor.from_start()
                 flight.rows = queries.claim_outbox_batch(size, self.lock.holder_pid, start)
             self.floor.claimed(flight.rows)

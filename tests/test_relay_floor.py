@@ -192,8 +192,8 @@ def test_a_row_committed_below_the_batches_claimed_goes_in_the_same_pass(
             starts.append((from_id, [r.id for r in rows]))
             return rows
 
-        def claim(self: RelayBatches, size: int) -> Any:
-            flight = real_batch_claim(self, size)
+        def claim(self: RelayBatches, size: int, **kwargs: Any) -> Any:
+            flight = real_batch_claim(self, size, **kwargs)
             if late_tx.is_active:
                 late_tx.commit()  # id 1 is claimable from here on, below the floor
             return flight
@@ -212,11 +212,13 @@ def test_a_row_committed_below_the_batches_claimed_goes_in_the_same_pass(
     # claims after the first started above id 1 and did not see it; a walk from
     # the start, after a floored claim found nothing, did
     [found_by] = [i for i, (_, ids) in enumerate(starts) if 1 in ids]
-    before = starts[:found_by]
     # the first claim walked from the start before id 1 was committed; every claim
-    # after it started above id 1, until one of them found nothing
-    assert before[0][0] == 0 and 1 not in before[0][1]
-    assert len(before) > 2 and all(start > 1 for start, _ in before[1:])
-    assert before[-1][1] == [] and all(ids for _, ids in before[:-1])
-    # then, before the pass could end, a walk from the start found it
-    assert starts[found_by][0] == 0
+    # after it started above id 1, until the claim with no batch in flight found
+    # nothing there; then, before the pass could end, a walk from the start found
+    # it; and the pass ended on one more that found nothing
+    assert starts[0][0] == 0 and 1 not in starts[0][1]
+    assert all(start > 1 for start, _ in starts[1:found_by])
+    assert starts[found_by - 1][1] == [] and found_by > 2
+    from_start = [i for i, (start, _) in enumerate(starts) if start == 0]
+    assert from_start == [0, found_by, len(starts) - 1], starts
+    assert starts[-1][1] == []

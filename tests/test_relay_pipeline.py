@@ -69,8 +69,8 @@ def test_the_next_batch_is_claimed_on_a_thread_of_its_own_while_this_one_is_sent
     overlapped: list[bool] = []
     real_claim, real_send = RelayBatches.claim, RelayBatches.send
 
-    def claim(self: RelayBatches, size: int) -> Any:
-        flight = real_claim(self, size)
+    def claim(self: RelayBatches, size: int, **kwargs: Any) -> Any:
+        flight = real_claim(self, size, **kwargs)
         with done:
             claims.append(threading.current_thread().name)
             done.notify_all()
@@ -211,10 +211,10 @@ def test_a_time_limit_while_waiting_for_a_claim_leaves_the_batch_being_settled_t
     ids = add_rows(engine, topic, 10)
     real_claim, real_settle = RelayBatches.claim, RelayBatches.settle
 
-    def slow_claim(self: RelayBatches, size: int) -> Any:
+    def slow_claim(self: RelayBatches, size: int, **kwargs: Any) -> Any:
         if threading.current_thread().name.startswith("relay-claim"):
             time.sleep(2.0)  # the time limit lands while this thread waits for it
-        return real_claim(self, size)
+        return real_claim(self, size, **kwargs)
 
     def slow_settle(self: RelayBatches, flight: Any) -> Any:
         time.sleep(1.0)  # still settling when the time limit lands
