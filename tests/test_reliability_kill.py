@@ -270,7 +270,11 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path):
             assert worker.proc is not None and owner[0] != worker.proc.pid
             time.sleep(rng.uniform(0, 0.02))
             backends = backend_pids(db, owner[0])
-            assert backends, "no session of the batch's process found"
+            if not backends:
+                # its batch ended and its connection went back before they were
+                # read (seen once): find a batch again; if none is ever found,
+                # kills stays short of 5 below
+                continue
             try:
                 os.kill(owner[0], signal.SIGKILL)
             except ProcessLookupError:
