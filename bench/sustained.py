@@ -296,7 +296,7 @@ def one_incident(
     command = [sys.executable, "-m", "bench.marking_relay"] if marking else None
     # The client's limit on each side of the relay's pass, on the same machine a few
     # seconds apart: what the machine's own speed does to an incident's rate is in
-    # both, what the outbox's state does is in the relay's alone.
+    # both, what the outbox's state does only in the relay's.
     before = bench_kafka.kafka_alone(url, bootstrap, alone_topic, int(events))
     lsn, _ = wal_state(url)
     ours = bench_kafka.relay_once(url, bootstrap, topic, int(events), command)
@@ -327,7 +327,8 @@ def one_incident(
 def goals(incidents: list[Incident], rooms: int) -> list[Goal]:
     """The rate goals on the relay's rate over kafka-python alone's beside it: one pass
     of a few seconds held to another moves by a tenth or more with the machine's own
-    speed (kafka-python alone alone does), which the baseline takes out."""
+    speed (so does kafka-python alone, with no database at all), which the baseline
+    takes out."""
     first = incidents[0].to_alone
     sixth = incidents[INCIDENTS - 1]
     over = "'s relay rate over kafka-python alone's beside it"
@@ -459,7 +460,8 @@ def series(
         # catalogs and the relay's statements are warm for the first incident, whose
         # rate every other incident is held to
         bench_kafka.relay_once(url, broker.bootstrap, topic, 0)
-        bench_kafka.kafka_alone(url, broker.bootstrap, alone_topic, min(kept, 1000))  # its topic
+        # and kafka-python alone's topic, as that pass warms the relay's
+        bench_kafka.kafka_alone(url, broker.bootstrap, alone_topic, min(kept, 1000))
         for number in range(1, INCIDENTS + HELD_INCIDENTS + 1):
             held = number > INCIDENTS
             if held and holder is None:
