@@ -39,7 +39,7 @@ from sqlalchemy import Engine, create_engine  # noqa: E402
 
 from bench import drain, seed, sustained  # noqa: E402
 from reaper.config import Settings  # noqa: E402
-from reaper.queries import Queries  # noqa: E402
+from reaper.queries import OutboxRow, Queries  # noqa: E402
 from reaper.relay import FULL_WALK_EVERY_S, ClaimFloor  # noqa: E402
 
 PG = os.environ.get("REAPER_BENCH_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432")
@@ -47,7 +47,8 @@ DATABASE = "reaper_bench_floor"
 
 
 def outbox_pass(engine: Engine, batch: int, floored: bool) -> tuple[float, int, int]:
-    """The outbox's part of one relay pass: seconds, claims, rows deleted."""
+    """The outbox's part of one relay pass: seconds, claims, rows deleted. Every claim
+    here has no batch in flight beside it (``may_end``)."""
     floor = ClaimFloor(FULL_WALK_EVERY_S)
     claims = deleted = 0
     started = time.perf_counter()
@@ -55,14 +56,13 @@ def outbox_pass(engine: Engine, batch: int, floored: bool) -> tuple[float, int, 
         with engine.begin() as conn:
             queries = Queries(conn)
             queries.relay_planner()
-            start = floor.start() if floored else 0
-            rows = queries.claim_outbox_batch(batch, None, start)
-            claims += 1
-            if not rows and start:  # nothing in flight: from the start before the end
-                start = floor.from_start()
-                rows = queries.claim_outbox_batch(batch, None, start)
+
+            def run(start: int, queries: Queries = queries) -> list[OutboxRow]:
+                nonlocal claims
                 claims += 1
-            floor.claimed(rows)
+                return queries.claim_outbox_batch(batch, None, start)
+
+            rows = floor.claim(run, may_end=True) if floored else run(0)
             if not rows:
                 return time.perf_counter() - started, claims, deleted
             deleted += queries.acknowledge_outbox([row.id for row in rows])

@@ -62,7 +62,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -238,6 +238,17 @@ class ClaimFloor:
         """The next claim starts after these (in id order, as the claim returns them)."""
         if rows:
             self.next_id = rows[-1].id + 1
+
+    def claim(self, run: Callable[[int], list[OutboxRow]], *, may_end: bool) -> list[OutboxRow]:
+        """``run`` (a claim from a given id) from where this says; with ``may_end`` (no
+        batch in flight, so finding nothing ends the pass) from the start again when
+        the walk from the floor found nothing."""
+        start = self.start()
+        rows = run(start)
+        if not rows and start and may_end:
+            rows = run(self.from_start())
+        self.claimed(rows)
+        return rows
 
 
 class Relay:
@@ -466,13 +477,10 @@ class RelayBatches:
         flight = InFlight(conn, tx, self.lock.heartbeat)
         try:
             queries.relay_planner()
-            start = self.floor.start()
-            flight.rows = queries.claim_outbox_batch(size, self.lock.holder_pid, start)
-            if not flight.rows and start and may_end:
-                # nothing after the last batch: from the start, before the pass ends
-                start = self.floor.from_start()
-                flight.rows = queries.claim_outbox_batch(size, self.lock.holder_pid, start)
-            self.floor.claimed(flight.rows)
+            flight.rows = self.floor.claim(
+                lambda start: queries.claim_outbox_batch(size, self.lock.holder_pid, start),
+                may_end=may_end,
+            )
             flight.report.claimed = len(flight.rows)
             if not flight.rows:  # nothing due, or the lock is gone (the fence)
                 flight.abandon()
