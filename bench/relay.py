@@ -64,12 +64,7 @@ def fresh_backlog(url: str, count: int) -> int:
         # the drain's events, kept for the next runs; not a backlog written here
         # before (still in the outbox when kafka-python alone went first)
         if pending >= count and (written is None or pending > written):
-            cur.execute("CREATE SCHEMA IF NOT EXISTS bench")
-            cur.execute("DROP TABLE IF EXISTS bench.outbox_written")
-            cur.execute(
-                "CREATE TABLE bench.outbox_written AS SELECT id AS position, event_id, topic,"
-                " message_key, payload FROM messenger.integration_outbox"
-            )
+            keep_written(cur)
         cur.execute(
             "CREATE TEMP TABLE backlog ON COMMIT DROP AS SELECT event_id, topic, message_key,"
             " payload FROM bench.outbox_written ORDER BY position LIMIT %s",
@@ -91,6 +86,18 @@ def fresh_backlog(url: str, count: int) -> int:
     if reltuples > 0:
         raise RuntimeError(f"the outbox's statistics say {reltuples} rows, not empty")
     return int(pending)
+
+
+def keep_written(cur: Any) -> int:
+    """The outbox's rows, as the drain wrote them, kept aside in ``bench.outbox_written``
+    (what ``records`` reads and ``bench.kafka_alone`` sends); how many."""
+    cur.execute("CREATE SCHEMA IF NOT EXISTS bench")
+    cur.execute("DROP TABLE IF EXISTS bench.outbox_written")
+    cur.execute(
+        "CREATE TABLE bench.outbox_written AS SELECT id AS position, event_id, topic,"
+        " message_key, payload FROM messenger.integration_outbox"
+    )
+    return int(cur.rowcount)
 
 
 def autovacuum_back(url: str) -> None:

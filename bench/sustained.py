@@ -167,14 +167,7 @@ def keep_records(url: str, rooms: int, as_of: datetime, batch_size: int) -> int:
         raise RuntimeError(f"the baseline's drain closed {sum(counts.values())} of {rooms} rooms")
     conn = connect(url)
     with conn, conn.cursor() as cur:
-        cur.execute("CREATE SCHEMA IF NOT EXISTS bench")
-        cur.execute("DROP TABLE IF EXISTS bench.outbox_written")
-        cur.execute(
-            "CREATE TABLE bench.outbox_written AS SELECT id AS position, event_id, topic,"
-            " message_key, payload FROM messenger.integration_outbox"
-        )
-        cur.execute("SELECT count(*) FROM bench.outbox_written")
-        (kept,) = one_row(cur)
+        kept = bench_kafka.keep_written(cur)
         cur.execute("TRUNCATE messenger.integration_outbox RESTART IDENTITY")
     conn.close()
     return int(kept)
