@@ -210,7 +210,7 @@ class ClaimFloor:
     committed after rows with higher ids. Those wait for the next walk from
     the start: the pass's first claim, one at least every ``every_s``, and one
     whenever a claim with no batch in flight finds nothing after the last batch
-    (RelayBatches.claim), so a pass never ends on a walk that started above a
+    (:meth:`claim`), so a pass never ends on a walk that started above a
     claimable row. A claim beside a batch in flight that finds nothing does not
     end the pass, and walks no further. Per-key order does not depend
     on where a walk starts: the claim's probes for an earlier row of a key are
