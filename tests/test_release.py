@@ -174,7 +174,7 @@ def test_the_changelog_names_every_migration_with_its_kind() -> None:
     in_files = {m.revision: (m.release, m.kind) for m in migration_modules()}
     assert listed == in_files
     previous = releases.previous()
-    assert previous.version == "0.3.0" and previous.commit == "384c381"
+    assert previous.version == "0.4.0" and previous.commit == "f900179"
 
 
 def test_the_record_holds_every_migration_as_its_file_says(engine: Engine) -> None:
