@@ -11,7 +11,7 @@
                                                       the lock
     scripts/deps.py audit                             the lock's packages against a database
                                                       of known vulnerabilities
-    scripts/deps.py service-tree PREFIX               the image's tree: a virtualenv at
+    scripts/deps.py service-tree PREFIX [--python P]  the image's tree: a virtualenv at
                                                       PREFIX, the service as locked, no
                                                       dev extra (the Dockerfile runs it)
     scripts/deps.py uv-version | uv-requirement       uv as locked (scripts/setup)
@@ -65,6 +65,7 @@ def tool(name: str) -> str:
 
 
 def run(*argv: str, env: dict[str, str] | None = None) -> None:
+    """argv from the project's directory; its failure ends the command."""
     print("+ " + shlex.join(argv), file=sys.stderr, flush=True)
     done = subprocess.run(argv, cwd=ROOT, env=env)
     if done.returncode != 0:
@@ -233,6 +234,9 @@ def sbom(output: Path) -> int:
             "JSON",
             "--output-file",
             str(output),
+            # requirements carry no dependency graph, and cyclonedx warns that the
+            # SBOM has none: docs/dependencies.md says so once
+            env={**os.environ, "PYTHONWARNINGS": "ignore::UserWarning"},
         )
     count = len(json.loads(output.read_text()).get("components", []))
     print(f"deps: the service's SBOM, {count} components: {output}", file=sys.stderr)
@@ -264,7 +268,11 @@ def audit() -> int:
                 continue
             skipped = [d for d in dependencies if "skip_reason" in d]
             if len(skipped) == len(dependencies):
-                unreachable[service] = skipped[0]["skip_reason"] if skipped else "no package"
+                unreachable[service] = (
+                    f"every package left out, as {skipped[0]['skip_reason']}"
+                    if skipped
+                    else "no package"
+                )
                 continue
             return audited(service, dependencies)
     print(
@@ -299,7 +307,7 @@ def audited(service: str, dependencies: list[dict[str, Any]]) -> int:
 # -- the image's tree ----------------------------------------------------------
 
 
-def service_tree(prefix: Path, compile_bytecode: bool) -> int:
+def service_tree(prefix: Path, python: str, compile_bytecode: bool) -> int:
     """What the image runs: a virtualenv at PREFIX holding the service's locked
     dependencies (hashes checked, no extra) and the project itself, not editable."""
     run(
@@ -309,7 +317,7 @@ def service_tree(prefix: Path, compile_bytecode: bool) -> int:
         "--no-editable",
         "--no-default-groups",
         "--python",
-        "3.11",
+        python,
         "--no-python-downloads",
         *(["--compile-bytecode"] if compile_bytecode else []),
         env={**os.environ, "UV_PROJECT_ENVIRONMENT": str(prefix)},
@@ -330,6 +338,7 @@ def main(argv: list[str]) -> int:
     commands.add_parser("audit")
     tree = commands.add_parser("service-tree")
     tree.add_argument("prefix", type=Path)
+    tree.add_argument("--python", default="3.11", help="the interpreter (default: a 3.11)")
     tree.add_argument("--compile-bytecode", action="store_true")
     commands.add_parser("uv-version")
     commands.add_parser("uv-requirement")
@@ -345,7 +354,7 @@ def main(argv: list[str]) -> int:
             case "audit":
                 return audit()
             case "service-tree":
-                return service_tree(args.prefix.resolve(), args.compile_bytecode)
+                return service_tree(args.prefix.resolve(), args.python, args.compile_bytecode)
             case "uv-version":
                 print(uv_version())
             case "uv-requirement":

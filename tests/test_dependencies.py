@@ -175,3 +175,16 @@ def test_uv_is_installed_first_from_the_lock_with_every_hash():
     files = [*uv["wheels"], uv["sdist"]]
     assert re.findall(r"--hash=(\S+)", line) == [f["hash"] for f in files]
     assert any("manylinux" in f["url"] and "x86_64" in f["url"] for f in uv["wheels"])
+
+
+def test_the_audit_passes_only_when_every_package_was_checked_and_none_is_vulnerable(capsys):
+    deps = deps_script()
+    clean = [{"name": "celery", "version": "5.7.0", "vulns": []}]
+    assert deps.audited("pypi", clean) == 0
+    advisory = {"id": "GHSA-0000-0000-0000", "fix_versions": ["2.0.7"]}
+    vulnerable = [*clean, {"name": "urllib3", "version": "2.0.0", "vulns": [advisory]}]
+    assert deps.audited("pypi", vulnerable) == 1
+    assert "urllib3 2.0.0: GHSA-0000-0000-0000 (fixed in 2.0.7)" in capsys.readouterr().out
+    left_out = [*clean, {"name": "kombu", "version": "5.7.0", "skip_reason": "not found"}]
+    assert deps.audited("pypi", left_out) == 2
+    assert "not checked: kombu: not found" in capsys.readouterr().out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from sqlalchemy import make_url
 
 from reaper.config import ENV_PREFIX, Settings
 from tests.support.compose import ComposeError, interpolate, load, raw, variables
+from tests.support.dockerfile import IMAGE_PREFIX, IMAGE_UID, build, image
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_DIR = ROOT / "tests" / "compose-spec"
@@ -219,34 +219,33 @@ def test_the_example_env_file_names_every_secret_and_holds_none():
     assert "# REAPER_KAFKA_SASL_PASSWORD=" in commented
 
 
-def dockerfile() -> str:
-    return (ROOT / "Dockerfile").read_text()
-
-
-def instruction(name: str) -> list[str]:
-    """The arguments of the last NAME instruction, continuation lines joined."""
-    joined = re.sub(r"\\\n\s*", " ", dockerfile())
-    lines = [line for line in joined.splitlines() if line.startswith(f"{name} ")]
-    return [lines[-1][len(name) + 1 :].strip()]
-
-
-def test_the_images_default_command_is_the_workers_and_works_as_its_user():
-    [cmd] = instruction("CMD")
-    argv = json.loads(cmd)
+def test_the_images_default_command_is_the_compose_workers():
+    """What the image runs by default, as the Dockerfile writes it; the image
+    test (tests/test_image.py) runs it from the locked tree as the image's user."""
+    [cmd] = image("CMD")
+    argv = json.loads(cmd)  # the exec form: a JSON array, no shell
     assert argv == services()["worker"]["command"]
     assert argv[:5] == ["celery", "-A", "reaper", "worker", "-B"]
     # explicit concurrency, not one pool process per host CPU
     assert int(argv[argv.index("--concurrency") + 1]) == 2
-    # beat's schedule in a directory the image's user owns (/app stays root's)
-    schedule = Path(argv[argv.index("-s") + 1])
-    [user] = instruction("USER")
-    [run] = instruction("RUN")
-    made = re.search(rf"install -d -o {user} -g {user} -m 0750 (\S+)", run)
-    assert made is not None and Path(made[1]) == schedule.parent, run
-    assert not str(schedule).startswith("/app")
-    [workdir] = instruction("WORKDIR")
-    assert workdir == "/app"  # celeryconfig is imported from the working directory
     # the health check stays /healthz
-    [check] = instruction("HEALTHCHECK")
+    [check] = image("HEALTHCHECK")
     assert "/healthz" in check
-    assert shlex.split(cmd)  # one JSON array, no shell form
+
+
+def test_the_image_is_the_tree_the_image_test_builds_and_its_user_owns_one_directory():
+    """The Dockerfile's text: the tree tests/test_image.py builds and runs is the
+    image's (same command, same prefix, on its PATH), the user it runs as is
+    that test's, and beat's schedule goes in the directory made for that user."""
+    [install] = build("RUN")
+    assert f"scripts/deps.py service-tree {IMAGE_PREFIX} " in install + " "
+    assert image("COPY") == [f"--from=build {IMAGE_PREFIX} {IMAGE_PREFIX}"]
+    [env] = image("ENV")
+    assert f"PATH={IMAGE_PREFIX}/bin:$PATH" in env.split()
+    [user] = image("USER")
+    [made] = image("RUN")
+    assert f"--uid {IMAGE_UID} " in made and made.split()[-1] == image("WORKDIR")[-1]
+    [cmd] = image("CMD")
+    argv = json.loads(cmd)
+    schedule = Path(argv[argv.index("-s") + 1])
+    assert f"install -d -o {user} -g {user} -m 0750 {schedule.parent}" in made

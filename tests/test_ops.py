@@ -260,7 +260,7 @@ def test_compose_variables_are_the_services_own_and_secrets_come_from_the_enviro
 
 def test_dockerfile_installs_the_project():
     text = (ROOT / "Dockerfile").read_text()
-    assert "pip install ." in text and "COPY reaper" in text
+    assert "scripts/deps.py service-tree /opt/reaper" in text and "COPY reaper" in text
     assert "USER " in text  # not root
     [check] = [line for line in text.splitlines() if line.startswith("HEALTHCHECK")]
     assert "/healthz" in text.split(check, 1)[1].splitlines()[1]

@@ -38,10 +38,17 @@ def packages(locked: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return found
 
 
-def installed_by(extras: Iterable[str], locked: dict[str, Any]) -> dict[NormalizedName, str]:
+def installed_by(
+    extras: Iterable[str],
+    locked: dict[str, Any],
+    environment: dict[str, str] | None = None,
+    *,
+    any_interpreter: bool = False,
+) -> dict[NormalizedName, str]:
     """Name -> version of every package an install of the project with
-    ``extras`` holds here: the project's dependencies, its extras', theirs,
-    each only where its marker holds on this interpreter."""
+    ``extras`` holds: the project's dependencies, its extras', theirs, each only
+    where its marker holds on this interpreter (or on one whose marker values
+    ``environment`` gives; with ``any_interpreter``, on any the lock is for)."""
     by_name = packages(locked)
     seen: set[tuple[str, frozenset[str]]] = set()
     todo = [(PROJECT, frozenset(extras))]
@@ -55,7 +62,11 @@ def installed_by(extras: Iterable[str], locked: dict[str, Any]) -> dict[Normaliz
         for extra in wanted:
             needs += package.get("optional-dependencies", {})[extra]
         for need in needs:
-            if "marker" in need and not Marker(need["marker"]).evaluate():
+            if (
+                "marker" in need
+                and not any_interpreter
+                and not Marker(need["marker"]).evaluate(environment)
+            ):
                 continue
             todo.append((need["name"], frozenset(need.get("extra", []))))
     return {canonicalize_name(name): by_name[name]["version"] for name, _ in seen}
