@@ -1,8 +1,9 @@
 """The image's file tree, built as the Dockerfile builds it and run as the
 image's user, without a container engine.
 
-``scripts/deps.py service-tree`` (the Dockerfile's own step) installs the
-service from uv.lock, hashes checked and no extra, into an empty prefix; the
+The build stage's sources, copied as its COPY instructions copy them, and its
+own step (``scripts/deps.py service-tree``) install the service from uv.lock,
+hashes checked and no extra, into an empty prefix; the
 tree holds exactly the lock's service packages; the worker's and the CLI's
 commands start from it as an unprivileged user, who migrates a database and
 reads it with it and cannot change the tree. A file the package leaves out, or
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -34,7 +36,7 @@ from packaging.utils import canonicalize_name
 from sqlalchemy import create_engine, text
 
 from tests.conftest import PG_URL, SESSION_TAG
-from tests.support.dockerfile import IMAGE_PREFIX, IMAGE_UID, image
+from tests.support.dockerfile import IMAGE_PREFIX, IMAGE_UID, build, copy_build_sources, image
 from tests.support.lock import PROJECT, ROOT, installed_by, lock, packages
 from tests.support.processes import wait_until
 
@@ -78,6 +80,15 @@ class Tree:
         )
 
 
+def tree_step() -> list[str]:
+    """The build stage's step that installs the tree, as the Dockerfile writes it."""
+    [install] = build("RUN")
+    [step] = [s for s in install.split("&&") if "scripts/deps.py service-tree" in s]
+    argv = shlex.split(step)
+    assert argv[:4] == ["python", "scripts/deps.py", "service-tree", IMAGE_PREFIX], argv
+    return argv
+
+
 @pytest.fixture(scope="module")
 def tree() -> Iterator[Tree]:
     assert SYSTEM_PYTHON.exists(), f"{SYSTEM_PYTHON} is missing (Debian's python3.11 package)"
@@ -85,11 +96,17 @@ def tree() -> Iterator[Tree]:
     base = Path(tempfile.mkdtemp(prefix="reaper-image-", dir="/tmp"))
     try:
         base.chmod(0o755)
+        # the build's sources as the Dockerfile copies them (no egg-info or
+        # build directory of this checkout's), then its own step, with the
+        # prefix here and a Python every user can run
+        sources = copy_build_sources(base / "build")
         prefix = base / IMAGE_PREFIX.lstrip("/")
-        build = [sys.executable, "scripts/deps.py", "service-tree", str(prefix)]
+        argv = [sys.executable, *tree_step()[1:], "--python", str(SYSTEM_PYTHON)]
+        argv[argv.index(IMAGE_PREFIX)] = str(prefix)
         built = subprocess.run(
-            [*build, "--python", str(SYSTEM_PYTHON)],
-            cwd=ROOT,
+            argv,
+            cwd=sources,
+            env={**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}"},
             capture_output=True,
             text=True,
             timeout=300,

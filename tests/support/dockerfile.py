@@ -3,10 +3,14 @@ joined, comments left out, each stage apart (the image is its last)."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from pathlib import Path
+import shutil
+from pathlib import Path, PurePosixPath
 
-DOCKERFILE = Path(__file__).resolve().parents[2] / "Dockerfile"
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
 # Where the image holds the service, and who runs it (tests/test_image.py builds
 # and runs that tree; tests/test_deployment.py holds the Dockerfile to these)
 IMAGE_PREFIX = "/opt/reaper"
@@ -35,3 +39,40 @@ def image(name: str) -> list[str]:
 def build(name: str) -> list[str]:
     """The same in the stages before it, which build what the image copies."""
     return [a for stage in stages()[:-1] for instruction, a in stage if instruction == name]
+
+
+def ignored(name: str) -> bool:
+    """Whether .dockerignore leaves a file or directory of this name out
+    (its ``**/NAME`` patterns, the only kind the copy below reads)."""
+    patterns = [
+        line.strip().removeprefix("**/")
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip().startswith("**/")
+    ]
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
+
+def copy_build_sources(into: Path) -> Path:
+    """The first stage's sources as its COPY instructions lay them out (each
+    ``COPY SRC... DEST`` relative to its WORKDIR), from this checkout, under
+    ``into``; returns the WORKDIR there. A file the build needs and does not
+    copy is then missing here too."""
+    workdir = PurePosixPath("/")
+    for instruction, arguments in stages()[0]:
+        if instruction == "WORKDIR":
+            workdir = workdir / arguments
+        elif instruction == "COPY":
+            *sources, dest = arguments.split()
+            assert not any(s.startswith("--") for s in sources), arguments
+            target = into / str(workdir / dest).lstrip("/")
+            for source in sources:
+                path = ROOT / source
+                inside = target / path.name if dest.endswith("/") else target
+                if path.is_dir():
+                    shutil.copytree(
+                        path, inside, ignore=lambda _, names: [n for n in names if ignored(n)]
+                    )
+                else:
+                    inside.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(path, inside)
+    return into / str(workdir).lstrip("/")
