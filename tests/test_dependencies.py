@@ -61,7 +61,9 @@ def test_the_lock_is_the_resolution_of_the_ranges_in_pyproject():
 def test_the_lock_check_names_what_differs(tmp_path: Path):
     """The check itself, on a pyproject.toml whose range moved after the lock."""
     moved = tmp_path / "pyproject.toml"
-    moved.write_text(PYPROJECT.read_text().replace('"redis>=6"', '"redis>=7"'))
+    as_locked = PYPROJECT.read_text()
+    assert '"redis>=6"' in as_locked
+    moved.write_text(as_locked.replace('"redis>=6"', '"redis>=7"'))
     difference = declared_ranges(moved) ^ locked_ranges(lock())
     assert show(difference) == ["redis>=6", "redis>=7"]
 
