@@ -13,7 +13,7 @@ batch's rows deleted by ``acknowledge_outbox`` in the claim's transaction.
 
 - **A**: every claim walks from the oldest pending row (``from_id`` 0), as
   before the floor;
-- **B**: the claims start where ``reaper.relay.ClaimFloor`` says, as a pass
+- **B**: the claims start where ``reaper.relay_floor.ClaimFloor`` says, as a pass
   does now (after the batch before; from the start at least every second, and
   again when a claim from the floor finds nothing).
 
@@ -40,7 +40,7 @@ from sqlalchemy import Engine, create_engine  # noqa: E402
 from bench import drain, seed, sustained  # noqa: E402
 from reaper.config import Settings  # noqa: E402
 from reaper.queries import OutboxRow, Queries  # noqa: E402
-from reaper.relay import FULL_WALK_EVERY_S, ClaimFloor  # noqa: E402
+from reaper.relay_floor import FULL_WALK_EVERY_S, ClaimFloor  # noqa: E402
 
 PG = os.environ.get("REAPER_BENCH_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432")
 DATABASE = "reaper_bench_floor"

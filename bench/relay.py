@@ -36,7 +36,7 @@ from kafka import KafkaConsumer, TopicPartition
 from bench.seed import connect, one_row
 from reaper.config import Settings
 from reaper.queries import OutboxRow
-from reaper.relay import headers
+from reaper.relay_batches import headers
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

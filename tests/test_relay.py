@@ -32,7 +32,8 @@ from reaper.events import Bus, CycleResult, RelayBatchCommitted, process_bus
 from reaper.kafka import ProducerSlot, Unavailable, producer_config
 from reaper.lease import PassLock
 from reaper.queries import OutboxRow, Queries
-from reaper.relay import Relay, RelayBatches, headers
+from reaper.relay import Relay
+from reaper.relay_batches import RelayBatches, headers
 from reaper.traceids import cycle_span_id_for
 from tests.conftest import ROOT
 from tests.support import factory as f

@@ -1,4 +1,4 @@
-"""Where a claim starts its walk (reaper.relay.ClaimFloor), against real PostgreSQL.
+"""Where a claim starts its walk (reaper.relay_floor.ClaimFloor), against real PostgreSQL.
 
 Within a pass a claim starts after the batch claimed before it, and from the
 oldest pending row at least every FULL_WALK_EVERY_S and before the pass may end.
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from reaper import relay as relay_module
 from reaper.queries import OutboxRow, Queries, load
-from reaper.relay import ClaimFloor, RelayBatches
+from reaper.relay_batches import RelayBatches
+from reaper.relay_floor import ClaimFloor
 from tests.support.kafka import read_topic
 from tests.test_relay import (  # the relay tests' fixtures and helpers
     add_outbox_row,
@@ -175,7 +175,6 @@ def test_a_row_committed_below_the_batches_claimed_goes_in_the_same_pass(
     claimed: the claims after it start above id 1 (no walk from the start comes
     within the hour set here), and the pass does not end before a walk from the
     start has found it."""
-    monkeypatch.setattr(relay_module, "FULL_WALK_EVERY_S", 3600.0)
     rsettings = rsettings.model_copy(update={"relay_batch_size": 200})
     late = engine.connect()
     late_tx = late.begin()
@@ -193,6 +192,7 @@ def test_a_row_committed_below_the_batches_claimed_goes_in_the_same_pass(
             return rows
 
         def claim(self: RelayBatches, size: int, **kwargs: Any) -> Any:
+            self.floor.every_s = 3600.0  # no walk from the start comes by the clock
             flight = real_batch_claim(self, size, **kwargs)
             if late_tx.is_active:
                 late_tx.commit()  # id 1 is claimable from here on, below the floor

@@ -17,7 +17,8 @@ from sqlalchemy import text
 from reaper import queries as queries_module
 from reaper.events import Bus, RelayBatchCommitted, RelayCloseFailed
 from reaper.queries import OutboxRow, Queries
-from reaper.relay import RelayBatches, _acknowledgement, first_claim, headers
+from reaper.relay_batches import RelayBatches, _acknowledgement, headers
+from reaper.relay_pipeline import first_claim
 from tests.support.kafka import read_topic
 from tests.test_relay import (  # the relay tests' fixtures and helpers
     add_outbox_row,
