@@ -56,11 +56,15 @@ def outbox_pass(engine: Engine, batch: int, floored: bool) -> tuple[float, int, 
         with engine.begin() as conn:
             queries = Queries(conn)
             queries.relay_planner()
+            holder = queries.try_relay_lock()  # the claim is fenced on it, as a pass's is
+            assert holder is not None
 
-            def run(start: int, queries: Queries = queries) -> list[OutboxRow]:
+            def run(
+                start: int, queries: Queries = queries, holder: int = holder
+            ) -> list[OutboxRow]:
                 nonlocal claims
                 claims += 1
-                return queries.claim_outbox_batch(batch, None, start)
+                return queries.claim_outbox_batch(batch, holder, start)
 
             rows = floor.claim(run, may_end=True) if floored else run(0)
             if not rows:

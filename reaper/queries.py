@@ -446,10 +446,10 @@ class Queries:
         _run(self.conn, "relay_planner")
 
     def claim_outbox_batch(
-        self, batch_size: int, holder_pid: int | None, from_id: int = 0
+        self, batch_size: int, holder_pid: int, from_id: int = 0
     ) -> list[OutboxRow]:
         """A batch of due rows from id ``from_id`` on (0: all), locked; none once the
-        relay lock is no longer held by ``holder_pid`` (None: a pass that takes no lock)."""
+        relay lock is no longer held by ``holder_pid``."""
         result = _run(
             self.conn,
             "claim_outbox_batch",

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,7 +48,7 @@ from reaper.events import (
     process_bus,
 )
 from reaper.kafka import ProducerSlot, process_slot
-from reaper.lease import Heartbeat, PassLock, pass_lock
+from reaper.lease import PassLock, pass_lock
 from reaper.queries import Queries
 from reaper.relay_batches import RelayBatches
 
@@ -74,7 +73,6 @@ class Relay:
         producers: ProducerSlot | None = None,
         bus: Bus | None = None,
         stop_event: Any = None,
-        exclusive: bool = True,
     ) -> None:
         self.settings = settings
         self.engine = engine or engine_of(settings)
@@ -82,9 +80,6 @@ class Relay:
         self.bus = bus or process_bus
         # Asked to stop (a warm shutdown): no new batch after those in flight.
         self.stop_event = stop_event or threading.Event()
-        # One pass at a time across all relays (see try_relay_lock); a test
-        # turns it off to check that concurrent passes stay correct too.
-        self.exclusive = exclusive
 
     def run(self) -> RelayResult:
         """One pass, unless another relay's pass is running (then only the gauges)."""
@@ -108,28 +103,16 @@ class Relay:
         self.bus.emit(RelayPassCompleted(result=result, duration_ms=duration_ms))
         return result
 
-    @contextmanager
-    def _pass_lock(self) -> Iterator[PassLock | None]:
+    def _pass_lock(self) -> AbstractContextManager[PassLock | None]:
         """The relay lock for one pass (lease.pass_lock), or None when another pass
-        holds it. A pass without the lock (``exclusive`` off) still has a heartbeat
-        for its batches' transactions."""
-        give_up_s = budgets.relay_pass_give_up(self.settings).total_seconds()
-        if self.exclusive:
-            with pass_lock(
-                self.engine,
-                self.settings,
-                take=Queries.try_relay_lock,
-                wait_for_marks=Queries.wait_relay_marks,
-                give_up_s=give_up_s,
-            ) as lock:
-                yield lock
-            return
-        heartbeat = Heartbeat.per_lease(None, self.settings, give_up_s)
-        heartbeat.start()
-        try:
-            yield PassLock(None, heartbeat)
-        finally:
-            heartbeat.stop()
+        holds it."""
+        return pass_lock(
+            self.engine,
+            self.settings,
+            take=Queries.try_relay_lock,
+            wait_for_marks=Queries.wait_relay_marks,
+            give_up_s=budgets.relay_pass_give_up(self.settings).total_seconds(),
+        )
 
     def _pass(self, result: RelayResult, lock: PassLock) -> None:
         """Batches until a claim finds nothing, Kafka is gone, the lock is lost, a
@@ -152,7 +135,7 @@ class Relay:
         except SQLAlchemyError as exc:
             self._database_failed(result, exc)
         if not (result.timed_out or result.lock_lost or lock.lost):
-            result.deleted = self._retention(deadline, lock.holder_pid)
+            result.deleted = self._retention(deadline, batches.holder_pid)
 
     def _database_failed(self, result: RelayResult, exc: SQLAlchemyError) -> None:
         result.database_failed = True
@@ -168,7 +151,7 @@ class Relay:
         except SQLAlchemyError as exc:
             self._database_failed(result, exc)
 
-    def _retention(self, deadline: float, holder_pid: int | None) -> int:
+    def _retention(self, deadline: float, holder_pid: int) -> int:
         """Delete published rows older than the retention, a small batch per
         transaction, each fenced as the marks are (nothing once the lock is gone)."""
         # the database compares by its own clock; the fact's cutoff is this process's view
@@ -177,7 +160,7 @@ class Relay:
         try:
             for _ in range(RETENTION_MAX_BATCHES):
                 with transaction(self.engine, budgets.quick(self.settings)) as queries:
-                    if holder_pid is not None and not queries.relay_marks_fence(holder_pid):
+                    if not queries.relay_marks_fence(holder_pid):
                         break
                     count = queries.delete_published_outbox(
                         self.settings.outbox_retention, RETENTION_BATCH

@@ -173,6 +173,9 @@ class RelayBatches:
         self.producers = producers
         self.bus = bus
         self.lock = lock
+        # what the claims and the marks are fenced on: a pass holds the relay lock
+        assert lock.holder_pid is not None, "a relay pass's batches need the relay lock"
+        self.holder_pid: int = lock.holder_pid
         self.kafka_timeout = settings.kafka_timeout.total_seconds()
         self.floor = ClaimFloor()
 
@@ -187,7 +190,7 @@ class RelayBatches:
         try:
             queries.relay_planner()
             flight.rows = self.floor.claim(
-                lambda start: queries.claim_outbox_batch(size, self.lock.holder_pid, start),
+                lambda start: queries.claim_outbox_batch(size, self.holder_pid, start),
                 may_end=may_end,
             )
             flight.report.claimed = len(flight.rows)
@@ -281,8 +284,7 @@ class RelayBatches:
             # the marks follow back to back: the heartbeat leaves the transaction
             self.lock.heartbeat.untend(flight.conn)
             queries = Queries(flight.conn)
-            holder = self.lock.holder_pid
-            if holder is not None and not queries.relay_marks_fence(holder):
+            if not queries.relay_marks_fence(self.holder_pid):
                 # the lock is gone: commit nothing, the rows go again with its new holder
                 return BatchReport(claimed=report.claimed, fenced=True)
             self._mark(queries, report)

@@ -810,11 +810,9 @@ WITH claimed AS (
       AND o.message_key NOT IN (SELECT p.message_key
                                 FROM messenger.integration_outbox p
                                 WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL)
-      -- the fence: nothing is claimed once the pass's lock session lost the relay
-      -- lock (NULL: a pass that takes no lock, a test's)
-      AND (CAST(:holder_pid AS integer) IS NULL OR
-               -- include: lock_held(relay_lock)
-          )
+      -- the fence: nothing is claimed once the pass's lock session lost the relay lock
+      AND
+          -- include: lock_held(relay_lock)
     ORDER BY o.id
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
