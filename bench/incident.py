@@ -17,10 +17,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.broker import Tansu, create_topic
 from bench.relay import timestamps
 from bench.seed import connect, one_row
 from bench.worker import Worker, worker_env
-from tests.support.kafka import Tansu, create_topic
 
 # closed rooms, their Kafka events (an ended room's realtime ConferenceEnded row
 # is written with its event), events still to send

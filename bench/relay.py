@@ -1,4 +1,4 @@
-"""Kafka for the bench: the relay figures and their baseline (the broker: tests.support.kafka).
+"""Kafka for the bench: the relay figures and their baseline (the broker: bench/broker.py).
 
 The relay is measured as an incident leaves the outbox: ``fresh_backlog`` writes
 the events anew into a table whose statistics say it is empty (analyzed empty,

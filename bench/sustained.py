@@ -59,9 +59,9 @@ import psycopg2
 
 from bench import charts, drain, seed
 from bench import relay as bench_kafka
+from bench.broker import Tansu, create_topic
 from bench.seed import connect, one_row
 from reaper.config import Settings
-from tests.support.kafka import Tansu, create_topic
 
 INCIDENTS = 6
 POLICIES = 1000  # as bench/run.py's default

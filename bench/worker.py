@@ -8,13 +8,13 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from celery import Celery
 
 from bench.seed import connect, one_row
-from tests.support.processes import children
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -126,9 +126,14 @@ class Worker:
         raise TimeoutError(f"{needle!r} x{count} not seen in {timeout}s:\n{self.output()[-3000:]}")
 
     def pool_pid(self) -> int:
+        """The worker's pool child (the one process that drains), once it has forked."""
         assert self.proc is not None
-        kids = children(self.proc.pid)
-        return kids[0] if kids else self.proc.pid
+        found: list[int] = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            # a thread may end between the listing and the read
+            with suppress(FileNotFoundError, ProcessLookupError):
+                found += [int(c) for c in (task / "children").read_text().split()]
+        return found[0] if found else self.proc.pid
 
     def call(self, task: str) -> None:
         """Send ``task`` to the worker's queue from this process: as beat or a
