@@ -46,6 +46,7 @@ from kafka.record.default_records import DefaultRecordBatchBuilder  # noqa: E402
 
 from bench import seed  # noqa: E402
 from bench.broker import Tansu, create_topic, free_port  # noqa: E402
+from bench.relay import keep_written  # noqa: E402
 from reaper.config import Settings  # noqa: E402
 from reaper.cycle import Reaper  # noqa: E402
 from reaper.db import engine_for  # noqa: E402
@@ -107,10 +108,7 @@ def say(message: str) -> None:
 
 
 def seed_rooms(url: str, as_of: datetime, count: int, roster: int) -> None:
-    conn = seed.connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(ROOMS, {"as_of": as_of, "count": count, "roster": roster})
-    conn.close()
+    seed.execute(url, ROOMS, {"as_of": as_of, "count": count, "roster": roster})
 
 
 def close_rooms(url: str, as_of: datetime) -> int:
@@ -268,32 +266,28 @@ def broker_behind_a_counter() -> Iterator[tuple[str, CountingRelay]]:
 
 
 def make_pending(url: str) -> int:
-    """Every outbox row pending again, as the drain left it, then vacuumed and
+    """The backlog's events (``bench.outbox_written``) pending again, then vacuumed and
     analyzed: every codec's run starts from the same table and statistics (the
-    fresh-backlog effect is bench/run.py's to measure, not a codec's). The relay
-    deletes the rows it sends, so the drain's rows are kept aside the first time
-    (``bench.outbox_written``) and written again from there each time."""
+    fresh-backlog effect is bench/run.py's to measure, not a codec's)."""
+    seed.execute(
+        url,
+        "DELETE FROM messenger.integration_outbox;"
+        " INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload)"
+        " SELECT event_id, topic, message_key, payload FROM bench.outbox_written"
+        " ORDER BY position",
+    )
+    seed.vacuum(url, ("messenger.integration_outbox",))
+    return int(seed.one(url, "SELECT count(*) FROM messenger.integration_outbox")[0])
+
+
+def keep_backlog(url: str) -> int:
+    """The outbox's events, as the reaper wrote them, kept aside for every codec's run
+    (the relay deletes what it sends); how many."""
     conn = seed.connect(url)
     with conn, conn.cursor() as cur:
-        cur.execute("CREATE SCHEMA IF NOT EXISTS bench")
-        cur.execute(
-            "CREATE TABLE IF NOT EXISTS bench.outbox_written AS"
-            " SELECT id AS position, event_id, topic, message_key, payload, created_at"
-            " FROM messenger.integration_outbox"
-        )
-        cur.execute("DELETE FROM messenger.integration_outbox")
-        cur.execute(
-            "INSERT INTO messenger.integration_outbox"
-            " (event_id, topic, message_key, payload, created_at)"
-            " SELECT event_id, topic, message_key, payload, created_at"
-            " FROM bench.outbox_written ORDER BY position"
-        )
-        count: int = cur.rowcount
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute("VACUUM (ANALYZE) messenger.integration_outbox")
+        kept = keep_written(cur)
     conn.close()
-    return count
+    return kept
 
 
 def relay_once(url: str, bootstrap: str, counter: CountingRelay, codec: str) -> tuple[float, int]:
@@ -338,7 +332,7 @@ def relay_table(url: str, label: str, repeats: int) -> list[str]:
     order (the best of each is reported)."""
     rates: dict[str, list[float]] = {c: [] for c in CODECS}
     sent: dict[str, int] = {}
-    events = make_pending(url)
+    events = keep_backlog(url)
     with broker_behind_a_counter() as (bootstrap, counter):
         for round_ in range(repeats):
             for codec in CODECS if round_ % 2 == 0 else reversed(CODECS):
@@ -363,11 +357,9 @@ def relay_table(url: str, label: str, repeats: int) -> list[str]:
 
 
 def clear_outbox(url: str) -> None:
-    conn = seed.connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("DELETE FROM messenger.integration_outbox")
-        cur.execute("DELETE FROM messenger.realtime_outbox")
-    conn.close()
+    seed.execute(
+        url, "DELETE FROM messenger.integration_outbox; DELETE FROM messenger.realtime_outbox"
+    )
 
 
 def measure(

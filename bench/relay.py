@@ -33,7 +33,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from bench.seed import connect, one_row
+from bench.seed import connect, execute, one_row
 from reaper.config import Settings
 from reaper.queries import OutboxRow
 from reaper.relay_batches import headers
@@ -101,10 +101,7 @@ def keep_written(cur: Any) -> int:
 
 
 def autovacuum_back(url: str) -> None:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("ALTER TABLE messenger.integration_outbox RESET (autovacuum_enabled)")
-    conn.close()
+    execute(url, "ALTER TABLE messenger.integration_outbox RESET (autovacuum_enabled)")
 
 
 def records(url: str, count: int) -> list[Record]:
