@@ -155,10 +155,10 @@ class InFlight:
 
 
 class RelayBatches:
-    """One pass's batches: each claimed in a transaction of its own (:meth:`claim`,
-    on the claimer thread but for the first), its first round sent by the calling
-    thread (:meth:`send`), then awaited, marked and committed on the settler
-    (:meth:`settle`), as cycle.PhaseBatches is for a phase's batches."""
+    """One pass's batches: each claimed in a transaction of its own (:meth:`claim`),
+    its first round sent (:meth:`send`), then awaited, marked and committed
+    (:meth:`settle`), as cycle.PhaseBatches is for a phase's batches. Which
+    thread does which is reaper/relay_pipeline.py's."""
 
     def __init__(
         self,
