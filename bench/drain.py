@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.seed import connect, one_row
+from bench.seed import one
 from reaper import logs, wiring
 from reaper.config import Settings
 from reaper.cycle import Reaper
@@ -47,12 +47,7 @@ SELECT
 
 
 def outcome(url: str) -> tuple[Any, ...]:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(OUTCOME)
-        row = one_row(cur)
-    conn.close()
-    return row
+    return one(url, OUTCOME)
 
 
 def log_to(path: Path) -> None:

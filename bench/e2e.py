@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import statistics
 import time
-import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from bench.relay import timestamps
 from bench.seed import connect
-from bench.worker import Worker, worker_env
-from tests.support.kafka import Tansu, create_topic
+from bench.worker import relaying
 
 SEED_ROOMS = """
 INSERT INTO messenger.conference_sessions
@@ -34,23 +32,15 @@ def percentile(values: list[float], share: float) -> float:
 
 def run(url: str, workdir: Path, rooms: int, interval_s: float, spread_s: float) -> dict:
     """``rooms`` empty rooms that become eligible one after another over ``spread_s``."""
-    broker = Tansu().start()
-    topic = f"bench.conference-ended.{uuid.uuid4().hex[:8]}"
-    create_topic(broker.bootstrap, topic)
     grace = timedelta(seconds=2)
-    env = worker_env(
+    with relaying(
         url,
+        workdir / "worker-e2e.log",
         REAPER_POLLING_INTERVAL=str(interval_s),
         REAPER_EMPTY_ROOM_GRACE=str(grace.total_seconds()),
-        REAPER_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap,
-        REAPER_CONFERENCE_ENDED_TOPIC=topic,
         REAPER_KAFKA_TIMEOUT="4",
         REAPER_RELAY_INTERVAL="60",  # only the relay a cycle enqueues may be fast
-    )
-    worker = Worker(env, workdir / "worker-e2e.log", beat=True, concurrency=2)
-    try:
-        worker.start()
-        worker.wait_for('"cycle.completed"', 30)  # beat ticks, imports are warm
+    ) as (bootstrap, topic):
         t0 = datetime.now(UTC) + timedelta(seconds=1)
         conn = connect(url)
         with conn, conn.cursor() as cur:
@@ -66,10 +56,7 @@ def run(url: str, workdir: Path, rooms: int, interval_s: float, spread_s: float)
             eligible_at = {room: at for room, at in cur.fetchall()}
         conn.close()
         time.sleep(max(0.0, (t0 - datetime.now(UTC)).total_seconds() + spread_s))
-        seen = timestamps(broker.bootstrap, topic, expect=rooms, timeout=60)
-    finally:
-        worker.stop()
-        broker.stop()
+        seen = timestamps(bootstrap, topic, expect=rooms, timeout=60)
     missing = set(eligible_at) - set(seen)
     if missing:
         raise RuntimeError(f"{len(missing)} of {rooms} rooms never reached Kafka")

@@ -13,14 +13,12 @@ topic.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from bench.relay import timestamps
-from bench.seed import connect, one_row
-from bench.worker import Worker, worker_env
-from tests.support.kafka import Tansu, create_topic
+from bench.seed import connect, one
+from bench.worker import relaying
 
 # closed rooms, their Kafka events (an ended room's realtime ConferenceEnded row
 # is written with its event), events still to send
@@ -35,29 +33,14 @@ CLOSINGS = "SELECT extract(epoch FROM created_at) FROM messenger.realtime_outbox
 
 
 def progress(url: str) -> tuple[int, int, int]:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(PROGRESS)
-        closed, events, pending = one_row(cur)
-    conn.close()
+    closed, events, pending = one(url, PROGRESS)
     return closed, events, pending
 
 
 def run(url: str, workdir: Path, rooms: int, prepare: Callable[[], None]) -> dict:
     """``prepare`` makes ``rooms`` rooms eligible at once (the worker is warm by then)."""
-    broker = Tansu().start()
-    topic = f"bench.incident.{uuid.uuid4().hex[:8]}"
-    create_topic(broker.bootstrap, topic)
-    env = worker_env(
-        url,
-        REAPER_POLLING_INTERVAL="2",
-        REAPER_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap,
-        REAPER_CONFERENCE_ENDED_TOPIC=topic,
-    )
-    worker = Worker(env, workdir / "worker-incident.log", beat=True, concurrency=2)
-    try:
-        worker.start()
-        worker.wait_for('"cycle.completed"', 60)  # beat ticks, imports are warm
+    log = workdir / "worker-incident.log"
+    with relaying(url, log, REAPER_POLLING_INTERVAL="2") as (bootstrap, topic):
         prepare()
         deadline = time.monotonic() + 900
         while True:
@@ -67,11 +50,8 @@ def run(url: str, workdir: Path, rooms: int, prepare: Callable[[], None]) -> dic
             if time.monotonic() > deadline:
                 raise TimeoutError(f"incident: {closed} of {rooms} closed, {pending} pending")
             time.sleep(0.5)
-        sent = timestamps(broker.bootstrap, topic, expect=events, timeout=120)
+        sent = timestamps(bootstrap, topic, expect=events, timeout=120)
         published = len(sent)
-    finally:
-        worker.stop()
-        broker.stop()
     if published != events:
         raise RuntimeError(f"incident: {published} conferences on Kafka for {events} events")
     conn = connect(url)

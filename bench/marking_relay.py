@@ -4,9 +4,9 @@ sustained run's baseline only (bench/sustained.py ``--baseline-marking``).
     .venv/bin/python -m bench.marking_relay   # from the repository's root
 
 Everything is this release's relay but the acknowledgement: each sent row is
-marked (``UPDATE ... SET published_at``, 0.3.0's ``mark_outbox_published``, as
-bench/outbox_ab.py measures it per batch) instead of deleted, so its row stays
-in the outbox with a new version and new index entries, as it did until 0.4.0.
+marked (``UPDATE ... SET published_at``, 0.3.0's ``mark_outbox_published``)
+instead of deleted, so its row stays in the outbox with a new version and new
+index entries, as it did until 0.4.0.
 """
 
 from __future__ import annotations
@@ -15,9 +15,15 @@ import sys
 
 from sqlalchemy import text
 
-from bench.outbox_ab import MARK_PUBLISHED
 from reaper import cli
 from reaper.queries import Queries
+
+# The mark of release 0.3.0 (its mark_outbox_published).
+MARK_PUBLISHED = """
+UPDATE messenger.integration_outbox
+SET published_at = clock_timestamp(), attempts = attempts + 1, next_attempt_at = NULL
+WHERE id = ANY (CAST(:ids AS bigint[])) AND published_at IS NULL
+"""
 
 
 def mark_published(self: Queries, ids: list[int]) -> int:

@@ -1,4 +1,4 @@
-"""Kafka for the bench: the relay figures and their baseline (the broker: tests.support.kafka).
+"""Kafka for the bench: the relay figures and their baseline (the broker: bench/broker.py).
 
 The relay is measured as an incident leaves the outbox: ``fresh_backlog`` writes
 the events anew into a table whose statistics say it is empty (analyzed empty,
@@ -33,10 +33,10 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
-from bench.seed import connect, one_row
+from bench.seed import connect, execute, one_row
 from reaper.config import Settings
 from reaper.queries import OutboxRow
-from reaper.relay import headers
+from reaper.relay_batches import headers
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -101,10 +101,7 @@ def keep_written(cur: Any) -> int:
 
 
 def autovacuum_back(url: str) -> None:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("ALTER TABLE messenger.integration_outbox RESET (autovacuum_enabled)")
-    conn.close()
+    execute(url, "ALTER TABLE messenger.integration_outbox RESET (autovacuum_enabled)")
 
 
 def records(url: str, count: int) -> list[Record]:

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 from bench import baseline, charts, drain, e2e, incident, seed, sustained  # noqa: E402
 from bench import relay as bench_kafka  # noqa: E402
 from bench import worker as bench_worker  # noqa: E402
-from tests.support.kafka import Tansu, create_topic  # noqa: E402
+from bench.broker import Tansu, create_topic  # noqa: E402
 
 PG = os.environ.get("REAPER_BENCH_PG", "postgresql+psycopg2://postgres@127.0.0.1:5432")
 TOPIC = "pin.messenger.conference-ended.v1"

@@ -153,31 +153,28 @@ CROSS JOIN LATERAL (
 ) t
 """
 
-RESET_ELIGIBLE = f"""
+# The eligible rooms taken out (``{outboxes}`` emptied), without the triggers of
+# the foreign keys; then, with PUT_IN, back exactly as seeded.
+TAKE_OUT = """
 SET session_replication_role = replica;
-TRUNCATE messenger.integration_outbox, messenger.realtime_outbox RESTART IDENTITY;
+TRUNCATE {outboxes} RESTART IDENTITY;
 DELETE FROM messenger.conference_participants
     WHERE conference_id IN (SELECT id FROM bench.sessions);
 DELETE FROM messenger.call_recordings WHERE conference_id IN (SELECT id FROM bench.sessions);
 DELETE FROM messenger.conference_sessions WHERE id IN (SELECT id FROM bench.sessions);
+"""
+PUT_IN = f"""
 INSERT INTO messenger.conference_sessions ({SESSION_COLUMNS})
     SELECT {SESSION_COLUMNS} FROM bench.sessions ORDER BY g;
 INSERT INTO messenger.conference_participants (conference_id, user_id, joined_at, left_at)
     SELECT conference_id, user_id, joined_at, left_at FROM bench.participants;
 INSERT INTO messenger.call_recordings (id, conference_id, status, created_at, updated_at)
     SELECT id, conference_id, status, created_at, created_at FROM bench.recordings;
-SET session_replication_role = DEFAULT;
 """
-
-CLEAR_ELIGIBLE = """
-SET session_replication_role = replica;
-TRUNCATE messenger.integration_outbox, messenger.realtime_outbox RESTART IDENTITY;
-DELETE FROM messenger.conference_participants
-    WHERE conference_id IN (SELECT id FROM bench.sessions);
-DELETE FROM messenger.call_recordings WHERE conference_id IN (SELECT id FROM bench.sessions);
-DELETE FROM messenger.conference_sessions WHERE id IN (SELECT id FROM bench.sessions);
-SET session_replication_role = DEFAULT;
-"""
+BOTH_OUTBOXES = "messenger.integration_outbox, messenger.realtime_outbox"
+TRIGGERS_BACK = "SET session_replication_role = DEFAULT;"
+RESET_ELIGIBLE = TAKE_OUT.format(outboxes=BOTH_OUTBOXES) + PUT_IN + TRIGGERS_BACK
+CLEAR_ELIGIBLE = TAKE_OUT.format(outboxes=BOTH_OUTBOXES) + TRIGGERS_BACK
 
 TABLES = (
     "messenger.conference_sessions",
@@ -206,6 +203,31 @@ def one_row(cur: psycopg2.extensions.cursor) -> tuple[Any, ...]:
     return row
 
 
+def execute(url: str, sql: str, params: Any = None, *, autocommit: bool = False) -> None:
+    """``sql`` (one statement or several) in a transaction on a connection of its own;
+    ``autocommit``: outside any transaction, as VACUUM must run."""
+    conn = connect(url)
+    conn.autocommit = autocommit
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def one(url: str, sql: str, params: Any = None) -> tuple[Any, ...]:
+    """The one row ``sql`` returns (its last statement's, with several), on a
+    connection of its own."""
+    conn = connect(url)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(sql, params)
+            return one_row(cur)
+    finally:
+        conn.close()
+
+
 def recreate(url: str) -> None:
     """Drop and create the bench database, then migrate it with reaper.db.migrate."""
     target = make_url(url)
@@ -227,12 +249,8 @@ def drop(url: str) -> None:
     admin.dispose()
 
 
-def vacuum(url: str) -> None:
-    conn = connect(url)
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(f"VACUUM (ANALYZE) {', '.join(TABLES)}")
-    conn.close()
+def vacuum(url: str, tables: tuple[str, ...] = TABLES) -> None:
+    execute(url, f"VACUUM (ANALYZE) {', '.join(tables)}", autocommit=True)
 
 
 def seed_history(
@@ -271,32 +289,20 @@ def seed_live(url: str, count: int, as_of: datetime) -> None:
 
 def seed_policies(url: str, count: int) -> None:
     """``count`` tenant policies (see POLICIES)."""
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(POLICIES, {"count": count})
-    conn.close()
+    execute(url, POLICIES, {"count": count})
     vacuum(url)
 
 
 def seed_eligible(url: str, count: int, as_of: datetime) -> None:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(ELIGIBLE_SEED, {"count": count, "as_of": as_of})
-    conn.close()
+    execute(url, ELIGIBLE_SEED, {"count": count, "as_of": as_of})
 
 
 def reset_eligible(url: str) -> None:
     """Put the eligible rooms back exactly as seeded; empty both outboxes."""
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(RESET_ELIGIBLE)
-    conn.close()
+    execute(url, RESET_ELIGIBLE)
     vacuum(url)
 
 
 def clear_eligible(url: str) -> None:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(CLEAR_ELIGIBLE)
-    conn.close()
+    execute(url, CLEAR_ELIGIBLE)
     vacuum(url)

@@ -59,9 +59,9 @@ import psycopg2
 
 from bench import charts, drain, seed
 from bench import relay as bench_kafka
-from bench.seed import connect, one_row
+from bench.broker import Tansu, create_topic
+from bench.seed import connect, execute, one, one_row
 from reaper.config import Settings
-from tests.support.kafka import Tansu, create_topic
 
 INCIDENTS = 6
 POLICIES = 1000  # as bench/run.py's default
@@ -75,21 +75,9 @@ SIZE_ROOMS = 50_000
 # The eligible rooms put back as seeded (bench/seed.py's copy in the bench schema);
 # unlike seed.RESET_ELIGIBLE, the integration outbox is left as the last relay
 # pass left it: the point of the run.
-PUT_BACK = f"""
-SET session_replication_role = replica;
-TRUNCATE messenger.realtime_outbox RESTART IDENTITY;
-DELETE FROM messenger.conference_participants
-    WHERE conference_id IN (SELECT id FROM bench.sessions);
-DELETE FROM messenger.call_recordings WHERE conference_id IN (SELECT id FROM bench.sessions);
-DELETE FROM messenger.conference_sessions WHERE id IN (SELECT id FROM bench.sessions);
-INSERT INTO messenger.conference_sessions ({seed.SESSION_COLUMNS})
-    SELECT {seed.SESSION_COLUMNS} FROM bench.sessions ORDER BY g;
-INSERT INTO messenger.conference_participants (conference_id, user_id, joined_at, left_at)
-    SELECT conference_id, user_id, joined_at, left_at FROM bench.participants;
-INSERT INTO messenger.call_recordings (id, conference_id, status, created_at, updated_at)
-    SELECT id, conference_id, status, created_at, created_at FROM bench.recordings;
-SET session_replication_role = DEFAULT;
-"""
+PUT_BACK = (
+    seed.TAKE_OUT.format(outboxes="messenger.realtime_outbox") + seed.PUT_IN + seed.TRIGGERS_BACK
+)
 
 # every seeded table but the integration outbox
 ROOM_TABLES = tuple(t for t in seed.TABLES if t != "messenger.integration_outbox")
@@ -175,70 +163,33 @@ def keep_records(url: str, rooms: int, as_of: datetime, batch_size: int) -> int:
 
 def wal_state(url: str) -> tuple[str, int]:
     """Where the WAL is, and how many checkpoints have started."""
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("SELECT pg_current_wal_lsn()::text")
-        (lsn,) = one_row(cur)
-        cur.execute("SELECT current_setting('server_version_num')::int >= 170000")
-        (newer,) = one_row(cur)
-        cur.execute(CHECKPOINTS[bool(newer)])
-        (count,) = one_row(cur)
-    conn.close()
-    return str(lsn), int(count)
+    lsn, newer = one(
+        url,
+        "SELECT pg_current_wal_lsn()::text, current_setting('server_version_num')::int >= 170000",
+    )
+    return str(lsn), int(one(url, CHECKPOINTS[bool(newer)])[0])
 
 
 def wal_since(url: str, lsn: str) -> int:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)", (lsn,))
-        (diff,) = one_row(cur)
-    conn.close()
-    return int(diff)
+    return int(one(url, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)", (lsn,))[0])
 
 
 def put_back(url: str) -> None:
     """The eligible rooms as seeded again; the room tables vacuumed and analyzed (never
     the outbox)."""
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(PUT_BACK)
-    conn.close()
-    conn = connect(url)
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(f"VACUUM (ANALYZE) {', '.join(ROOM_TABLES)}")
-    conn.close()
-
-
-def autovacuum_setting(url: str) -> str:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("SHOW autovacuum")
-        (value,) = one_row(cur)
-    conn.close()
-    return str(value)
+    execute(url, PUT_BACK)
+    seed.vacuum(url, ROOM_TABLES)
 
 
 def outbox_state(url: str) -> tuple[int, int, int]:
     """The outbox's size in bytes, its dead tuples and its pending rows. The relay's process
     has exited, so its statistics are flushed; a short wait lets them land."""
     time.sleep(0.5)
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute("SELECT pg_stat_force_next_flush()")  # this session's own counts
-        cur.execute("SELECT pg_stat_clear_snapshot()")  # read them fresh, not cached
-        cur.execute(OUTBOX_STATE)
-        size, dead, rows = one_row(cur)
-    conn.close()
+    # this session's own counts flushed, and the statistics read fresh, not cached
+    size, dead, rows = one(
+        url, f"SELECT pg_stat_force_next_flush(); SELECT pg_stat_clear_snapshot(); {OUTBOX_STATE}"
+    )
     return int(size), int(dead or 0), int(rows)
-
-
-def vacuum_outbox(url: str) -> None:
-    conn = connect(url)
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute("VACUUM messenger.integration_outbox")
-    conn.close()
 
 
 def hold_snapshot(url: str) -> psycopg2.extensions.connection:
@@ -281,11 +232,7 @@ def one_incident(
     closed = sum(counts.values())
     if closed != rooms:
         raise RuntimeError(f"incident {number}: {closed} of {rooms} rooms closed")
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(PENDING)
-        (events,) = one_row(cur)
-    conn.close()
+    (events,) = one(url, PENDING)
     command = [sys.executable, "-m", "bench.marking_relay"] if marking else None
     # The client's limit on each side of the relay's pass, on the same machine a few
     # seconds apart: what the machine's own speed does to an incident's rate is in
@@ -438,7 +385,7 @@ def series(
     # the bench's tenant policies: with them every seeded room is eligible at as_of
     # (bench/seed.py POLICIES), the stuck provisioning ones included
     seed.seed_policies(url, POLICIES)
-    autovacuum = autovacuum_setting(url)
+    autovacuum = str(one(url, "SHOW autovacuum")[0])
     broker = Tansu().start()
     topic = f"bench.sustained.{uuid.uuid4().hex[:8]}"
     alone_topic = f"{topic}.alone"  # kafka-python alone's records beside the relay's
@@ -477,7 +424,8 @@ def series(
             inc.ratio = inc.relay_per_s / first.relay_per_s
             inc.ratio_to_alone = inc.to_alone / first.to_alone
             if vacuum_between:
-                vacuum_outbox(url)  # after the figures: the next incident meets it vacuumed
+                # after the figures: the next incident meets it vacuumed
+                execute(url, "VACUUM messenger.integration_outbox", autocommit=True)
                 inc.vacuumed_after = True
             incidents.append(inc)
             say(

@@ -7,14 +7,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from celery import Celery
 
-from bench.seed import connect, one_row
-from tests.support.processes import children
+from bench.broker import Tansu, create_topic
+from bench.seed import one
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -126,9 +127,14 @@ class Worker:
         raise TimeoutError(f"{needle!r} x{count} not seen in {timeout}s:\n{self.output()[-3000:]}")
 
     def pool_pid(self) -> int:
+        """The worker's pool child (the one process that drains), once it has forked."""
         assert self.proc is not None
-        kids = children(self.proc.pid)
-        return kids[0] if kids else self.proc.pid
+        found: list[int] = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            # a thread may end between the listing and the read
+            with suppress(FileNotFoundError, ProcessLookupError):
+                found += [int(c) for c in (task / "children").read_text().split()]
+        return found[0] if found else self.proc.pid
 
     def call(self, task: str) -> None:
         """Send ``task`` to the worker's queue from this process: as beat or a
@@ -157,6 +163,34 @@ class Worker:
         forget_broker_keys(self.env["REAPER_BROKER_KEY_PREFIX"])
 
 
+@contextmanager
+def relaying(url: str, log_path: Path, **env: str) -> Iterator[tuple[str, str]]:
+    """A ``celery -A reaper worker -B`` (two pool processes) relaying to a private Tansu
+    broker, to a topic of its own: the broker's address and the topic, once the
+    worker is warm (its beat's first cycle completed); both stopped afterwards."""
+    broker = Tansu().start()
+    topic = f"bench.{log_path.stem}.{uuid.uuid4().hex[:8]}"
+    worker = Worker(
+        worker_env(
+            url,
+            REAPER_KAFKA_BOOTSTRAP_SERVERS=broker.bootstrap,
+            REAPER_CONFERENCE_ENDED_TOPIC=topic,
+            **env,
+        ),
+        log_path,
+        beat=True,
+        concurrency=2,
+    )
+    try:
+        create_topic(broker.bootstrap, topic)
+        worker.start()
+        worker.wait_for('"cycle.completed"', 60)  # beat ticks, imports are warm
+        yield broker.bootstrap, topic
+    finally:
+        worker.stop()
+        broker.stop()
+
+
 def forget_broker_keys(prefix: str) -> None:
     """Our own leftovers in the shared Redis (queued relay ticks): only our prefix."""
     import redis
@@ -171,12 +205,7 @@ def forget_broker_keys(prefix: str) -> None:
 
 
 def count(url: str, sql: str) -> int:
-    conn = connect(url)
-    with conn, conn.cursor() as cur:
-        cur.execute(sql)
-        (found,) = one_row(cur)
-    conn.close()
-    return int(found)
+    return int(one(url, sql)[0])
 
 
 def realtime_rows(url: str) -> int:

@@ -18,8 +18,14 @@ from sqlalchemy import Connection, CursorResult, Row, TextClause, text
 from reaper.budgets import KEEPALIVE_PROBES, Budget
 
 QUERIES_FILE = Path(__file__).with_name("sql") / "queries.sql"
-_HEADER = re.compile(r"^-- (?P<kind>name|fragment): (?P<name>[a-z_]+)\s*$", re.MULTILINE)
-_INCLUDE = re.compile(r"^[ \t]*-- include: (?P<name>(?:\{phase\})?[a-z_]+)[ \t]*$", re.MULTILINE)
+# a fragment may name its arguments: "-- fragment: x(a, b)", "-- include: x(y, z)"
+_ARGS = r"(?:\((?P<args>[a-z_]+(?:, [a-z_]+)*)\))?"
+_HEADER = re.compile(rf"^-- (?P<kind>name|fragment): (?P<name>[a-z_]+){_ARGS}\s*$", re.MULTILINE)
+_INCLUDE = re.compile(
+    rf"^[ \t]*-- include: (?P<name>(?:\{{phase\}})?[a-z_]+){_ARGS}[ \t]*$", re.MULTILINE
+)
+# where a fragment's argument stands in its text: "{a}"
+_PLACEHOLDER = re.compile(r"\{(?P<name>[a-z_]+)\}")
 _PHASES = re.compile(r"\A-- phases: (?P<phases>[a-z_]+(?: [a-z_]+)*)[ \t]*\n")
 # a fragment's own comment lines (not an include that begins it)
 _LEADING_COMMENT = re.compile(r"\A(?:--(?! include:)[^\n]*\n)+")
@@ -61,6 +67,12 @@ def parse(source: str) -> dict[str, str]:
     rooms are one fragment wherever they are selected, and so one rule has one
     text.
 
+    A fragment may take arguments, each the name of another fragment: in
+    ``-- fragment: y(a)``, ``{a}`` stands for the text of the fragment the
+    include names, ``-- include: y(k)`` (without its comment lines), and an
+    include in ``y`` may pass ``a`` on. So one lock test serves every lock,
+    each lock's key written once (``lock_held(relay_lock)``).
+
     A query whose first line is ``-- phases: a b`` is written once per phase, as
     ``x[a]`` and ``x[b]`` (:func:`phase_statement`): in it, ``-- include:
     {phase}_y`` stands for the fragment ``a_y``, then ``b_y``. So each phase's
@@ -69,15 +81,26 @@ def parse(source: str) -> dict[str, str]:
     """
     headers = list(_HEADER.finditer(source))
     blocks: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
+    takes: dict[str, tuple[str, ...]] = {}  # a fragment's arguments, by name
     for header, following in zip(headers, [*headers[1:], None], strict=True):
         end = following.start() if following else len(source)
         kind, name = header["kind"], header["name"]
         if name in blocks[kind]:
             raise ValueError(f"{kind} {name!r} is defined twice in {QUERIES_FILE.name}")
+        if header["args"] and kind == "name":
+            raise ValueError(f"query {name!r} takes arguments: only a fragment may")
         blocks[kind][name] = source[header.end() : end].strip()
+        takes[name] = _names(header["args"])
     fragments = blocks["fragment"]
 
-    def expand(sql: str, within: tuple[str, ...], phase: str | None) -> str:
+    def text_of(name: str, within: tuple[str, ...]) -> str:
+        if name not in fragments:
+            raise ValueError(f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}")
+        if name in within:
+            raise ValueError(f"fragment {name!r} includes itself in {QUERIES_FILE.name}")
+        return _LEADING_COMMENT.sub("", fragments[name] + "\n").rstrip("\n")
+
+    def expand(sql: str, within: tuple[str, ...], phase: str | None, given: dict[str, str]) -> str:
         def include(match: re.Match[str]) -> str:
             name = match["name"]
             if PHASE in name:
@@ -87,12 +110,23 @@ def parse(source: str) -> dict[str, str]:
                         f" in {QUERIES_FILE.name}"
                     )
                 name = name.replace(PHASE, phase)
-            if name not in fragments:
-                raise ValueError(f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}")
-            if name in within:
-                raise ValueError(f"fragment {name!r} includes itself in {QUERIES_FILE.name}")
-            body = _LEADING_COMMENT.sub("", fragments[name] + "\n").rstrip("\n")
-            return expand(body, (*within, name), phase)
+            body = text_of(name, within)
+            # an argument is a fragment's name, or passes on one the includer was given
+            args = [given.get(arg, arg) for arg in _names(match["args"])]
+            if len(args) != len(takes[name]):
+                raise ValueError(
+                    f"fragment {name!r} takes ({', '.join(takes[name])}),"
+                    f" given ({', '.join(args)}) in {QUERIES_FILE.name}"
+                )
+            arguments = dict(zip(takes[name], args, strict=True))
+            if arguments:
+                inner = (*within, name)
+                values = {
+                    param: expand(text_of(arg, inner), inner, phase, {})
+                    for param, arg in arguments.items()
+                }
+                body = _PLACEHOLDER.sub(lambda found: _argument(found, name, values), body)
+            return expand(body, (*within, name), phase, arguments)
 
         return _INCLUDE.sub(include, sql)
 
@@ -100,12 +134,29 @@ def parse(source: str) -> dict[str, str]:
     for name, sql in blocks["name"].items():
         phases = _PHASES.match(sql)
         if phases is None:
-            queries[name] = expand(sql, (), None)
+            queries[name] = expand(sql, (), None, {})
             continue
         body = sql[phases.end() :]
         for phase in phases["phases"].split():
-            queries[phase_statement(name, phase)] = expand(body, (), phase)
+            queries[phase_statement(name, phase)] = expand(body, (), phase, {})
     return queries
+
+
+def _names(args: str | None) -> tuple[str, ...]:
+    return tuple(args.split(", ")) if args else ()
+
+
+def _argument(placeholder: re.Match[str], fragment: str, values: dict[str, str]) -> str:
+    """What ``{a}`` in a fragment's text stands for: its argument ``a``'s text;
+    ``{phase}`` is left to the includes of a query with ``-- phases:``."""
+    if placeholder[0] == PHASE:
+        return PHASE
+    if placeholder["name"] not in values:
+        raise ValueError(
+            f"fragment {fragment!r} has {placeholder[0]}, not one of its arguments"
+            f" in {QUERIES_FILE.name}"
+        )
+    return values[placeholder["name"]]
 
 
 @cache
@@ -395,10 +446,10 @@ class Queries:
         _run(self.conn, "relay_planner")
 
     def claim_outbox_batch(
-        self, batch_size: int, holder_pid: int | None, from_id: int = 0
+        self, batch_size: int, holder_pid: int, from_id: int = 0
     ) -> list[OutboxRow]:
         """A batch of due rows from id ``from_id`` on (0: all), locked; none once the
-        relay lock is no longer held by ``holder_pid`` (None: a pass that takes no lock)."""
+        relay lock is no longer held by ``holder_pid``."""
         result = _run(
             self.conn,
             "claim_outbox_batch",

@@ -165,19 +165,6 @@ def test_bench_sustained_prints_every_incident_and_goal(tmp_path, database_url):
     assert database_url.rsplit("/", 1)[1] != name
 
 
-@pytest.mark.process
-def test_the_floor_bench_prints_both_sides_of_every_incident(database_url):
-    name = f"reaper_bench_smoke_floor_{SESSION_TAG}"
-    out = run_bench("bench/floor_ab.py", "--rooms", "200", "--database", name)
-    rows = [line.split(" | ") for line in out.splitlines() if line[:1].isdigit()]
-    assert [int(r[0]) for r in rows] == list(range(1, 10))
-    assert [r[1] for r in rows] == ["-"] * 6 + ["held"] * 3
-    # 140 events an incident (70% of 200 rooms), claimed and deleted by both sides
-    assert {r[2] for r in rows} == {"140"}
-    assert all(float(r[3]) > 0 and float(r[5]) > 0 and r[7].endswith("x") for r in rows), rows
-    assert databases_named(name) == 0
-
-
 def test_charts_are_written_as_png_files(tmp_path):
     incident = charts.incident_chart(
         tmp_path / "incident.png",

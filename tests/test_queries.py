@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -189,3 +190,52 @@ def test_every_named_query_has_one_method_that_binds_exactly_its_parameters() ->
         if "[" in name:  # a phase's statement: **bounds binds the other phases' too
             expected |= BOUNDS
         assert bound == expected, f"Queries.{method} binds {sorted(bound)} for {name}"
+
+
+def test_a_fragment_takes_fragments_as_arguments_and_may_pass_them_on() -> None:
+    queries = parse(
+        "-- fragment: key_a\n-- why a\nhash('a')\n\n-- fragment: key_b\nhash('b')\n\n"
+        "-- fragment: row(key)\n-- why, written once\nl.k = {key}\n\n"
+        "-- fragment: held(key)\nEXISTS (SELECT FROM l WHERE l.pid = :pid AND\n"
+        "    -- include: row(key)\n)\n\n"
+        "-- name: qa\nSELECT\n-- include: held(key_a)\n;\n\n"
+        "-- name: qb\nSELECT * FROM l WHERE\n-- include: row(key_b)\n;"
+    )
+    assert queries == {
+        "qa": "SELECT\nEXISTS (SELECT FROM l WHERE l.pid = :pid AND\nl.k = hash('a')\n)\n;",
+        "qb": "SELECT * FROM l WHERE\nl.k = hash('b')\n;",
+    }
+
+
+def test_a_fragment_given_the_wrong_arguments_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"fragment 'row' takes \(key\), given \(\)"):
+        parse("-- fragment: row(key)\nl.k = {key}\n\n-- name: q\n-- include: row\n")
+    with pytest.raises(ValueError, match="unknown fragment 'nokey'"):
+        parse("-- fragment: row(key)\nl.k = {key}\n\n-- name: q\n-- include: row(nokey)\n")
+    with pytest.raises(ValueError, match=r"fragment 'row' has \{other\}"):
+        parse(
+            "-- fragment: k\n1\n\n-- fragment: row(key)\nl.k = {other}\n\n"
+            "-- name: q\n-- include: row(k)\n"
+        )
+    with pytest.raises(ValueError, match="query 'q' takes arguments"):
+        parse("-- name: q(key)\nSELECT 1;\n")
+
+
+def test_each_lock_key_is_written_once_and_pg_locks_is_read_by_one_fragment() -> None:
+    """The run lock, the relay's and the stop pass's (and the gates of the marks)
+    are taken, waited for and tested by fragments that take the key: the file
+    writes each key once and how a lock looks in pg_locks once."""
+    source = (Path(__file__).parents[1] / "reaper" / "sql" / "queries.sql").read_text()
+    sql = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("--"))
+    assert sql.count("l.locktype = 'advisory'") == 1
+    assert sql.count("pg_try_advisory_xact_lock(") == 1
+    assert sql.count("pg_advisory_xact_lock(") == 1
+    keys = re.findall(r"hashtextextended\('([a-z.-]+)', 0\)", sql)
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 5
+    # the run lock's key, as the interface fixes it
+    statements = load()
+    assert "pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0))" in (
+        statements["try_run_lock"].text
+    )
+    for name in ("try_run_lock", "wait_run_lock", "run_lock_holder", "try_relay_lock"):
+        assert "{" not in statements[name].text, name

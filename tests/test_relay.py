@@ -23,16 +23,17 @@ from celery.exceptions import SoftTimeLimitExceeded
 from kafka import KafkaProducer
 from kafka import errors as kafka_errors
 from kafka.errors import KafkaTimeoutError
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
-from reaper import metrics
+from reaper import budgets, metrics, relay_pipeline
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from reaper.events import Bus, CycleResult, RelayBatchCommitted, process_bus
+from reaper.events import Bus, CycleResult, RelayBatchCommitted, RelayResult, process_bus
 from reaper.kafka import ProducerSlot, Unavailable, producer_config
-from reaper.lease import PassLock
+from reaper.lease import Heartbeat, PassLock, pass_lock
 from reaper.queries import OutboxRow, Queries
-from reaper.relay import Relay, RelayBatches, headers
+from reaper.relay import Relay
+from reaper.relay_batches import RelayBatches, headers
 from reaper.traceids import cycle_span_id_for
 from tests.conftest import ROOT
 from tests.support import factory as f
@@ -97,6 +98,14 @@ def make_relay(settings: Settings, engine: Engine, producers: Producers, **kwarg
 
 def reap(settings: Settings, engine: Engine, as_of: datetime = T0) -> CycleResult:
     return Reaper(settings, engine=engine).run_cycle(as_of)
+
+
+def relay_lock(conn: Connection) -> int:
+    """The relay lock, taken by this transaction as a pass's lock session takes it:
+    its backend pid, which a claim outside a pass is fenced on."""
+    pid = Queries(conn).try_relay_lock()
+    assert pid is not None, "another session holds the relay lock"
+    return pid
 
 
 def outbox_rows(engine: Engine) -> list[dict]:
@@ -686,7 +695,7 @@ def test_a_pass_ended_mid_way_settles_its_batches_in_flight(
     assert len(records) == result.published
     assert {r.event_id for r in records} == gone_ones(rows, prefixes)
     with engine.connect() as conn:  # nothing is left locked: all of it claimable again
-        claimable = Queries(conn).claim_outbox_batch(10_000, None)
+        claimable = Queries(conn).claim_outbox_batch(10_000, relay_lock(conn))
         conn.rollback()
     assert len(claimable) == result.pending
 
@@ -842,9 +851,9 @@ def test_missing_topic_is_named(rsettings, engine, producers, caplog):
     brokers are connected but know no partition of the topic (as Kafka answers with
     allow_auto_create_topics off)."""
     caplog.set_level(logging.INFO, "reaper")
-    batches = RelayBatches(
-        rsettings, engine, producers.slot(rsettings), process_bus, PassLock.unlocked()
-    )
+    with engine.connect() as holder, holder.begin():
+        lock = PassLock(relay_lock(holder), Heartbeat(None, period_s=1.0, give_up_s=0.0))
+        batches = RelayBatches(rsettings, engine, producers.slot(rsettings), process_bus, lock)
     missing = f"never.created.{uuid.uuid4().hex[:6]}"
 
     class Connected:
@@ -954,9 +963,13 @@ def test_relay_killed_between_send_and_mark_resends_the_same_event(
     assert len({r.event_id for r in records}) == 1  # what a deduplicating consumer keeps
 
 
-def test_two_relays_at_once_publish_each_row_once(
+def test_two_pipelines_under_one_relay_lock_publish_each_row_once(
     database_url, engine, producers, topic, kafka_broker
 ):
+    """A pass claims its next batch beside the batches in flight, and the claim
+    alone keeps them apart: SKIP LOCKED, and a key left out while an earlier row
+    of it is pending. Two pipelines at once under one relay lock (each as a pass
+    runs it: reaper/relay_pipeline.py) press on that harder than one pass does."""
     settings = relay_settings(database_url, kafka_broker, topic, relay_batch_size=25)
     deal = f.new_id()
     with engine.begin() as conn:
@@ -969,27 +982,38 @@ def test_two_relays_at_once_publish_each_row_once(
     rows = outbox_rows(engine)
     assert len(rows) == 308
     barrier = threading.Barrier(2)
-    results = []
+    results: list[RelayResult] = []
+    give_up_s = budgets.relay_pass_give_up(settings).total_seconds()
+    with pass_lock(
+        engine,
+        settings,
+        take=Queries.try_relay_lock,
+        wait_for_marks=Queries.wait_relay_marks,
+        give_up_s=give_up_s,
+    ) as lock:
+        assert lock is not None
 
-    def run() -> None:
-        # without the pass lock, to prove SKIP LOCKED and the per-key claim alone
-        relay = make_relay(settings, engine, producers, exclusive=False)
-        barrier.wait()
-        results.append(relay.run())
+        def run() -> None:
+            slot = producers.slot(settings)
+            batches = RelayBatches(settings, engine, slot, process_bus, lock)
+            result = RelayResult()
+            barrier.wait()
+            relay_pipeline.run(batches, result, batch_size=25, more=lambda: True, bus=process_bus)
+            results.append(result)
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert all(r.published > 0 for r in results), "both relays took part"
-    # A relay ends its pass when its claim comes back short; rows of a key the
-    # other relay held back at that moment wait for the next pass (seen under
-    # load: 6 of 308). What must never happen is a row sent twice.
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert len(results) == 2 and all(r.published > 0 for r in results), "both took part"
+    # A pipeline ends when a claim with nothing in flight finds nothing; rows of
+    # a key the other one held back at that moment wait for the next pass (seen
+    # under load: 6 of 308). What must never happen is a row sent twice.
     together = sum(r.published for r in results)
-    follow_up = make_relay(settings, engine, producers, exclusive=False).run()
+    follow_up = make_relay(settings, engine, producers).run()
     assert together + follow_up.published == 308
-    figure(f"two relays at once published {together} of 308, the next pass the rest")
+    figure(f"two pipelines at once published {together} of 308, the next pass the rest")
     records = read_topic(kafka_broker, topic, expect=308)
     counts = Counter(r.event_id for r in records)
     assert len(counts) == 308 and max(counts.values()) == 1

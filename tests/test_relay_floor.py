@@ -1,4 +1,4 @@
-"""Where a claim starts its walk (reaper.relay.ClaimFloor), against real PostgreSQL.
+"""Where a claim starts its walk (reaper.relay_floor.ClaimFloor), against real PostgreSQL.
 
 Within a pass a claim starts after the batch claimed before it, and from the
 oldest pending row at least every FULL_WALK_EVERY_S and before the pass may end.
@@ -17,14 +17,15 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from reaper import relay as relay_module
 from reaper.queries import OutboxRow, Queries, load
-from reaper.relay import ClaimFloor, RelayBatches
+from reaper.relay_batches import RelayBatches
+from reaper.relay_floor import ClaimFloor
 from tests.support.kafka import read_topic
 from tests.test_relay import (  # the relay tests' fixtures and helpers
     add_outbox_row,
     make_relay,
     producers,
+    relay_lock,
     rsettings,
     topic,
 )
@@ -81,7 +82,7 @@ def test_a_claim_from_the_floor_leaves_out_the_rows_below_it(engine: Engine) -> 
     with engine.begin() as conn:
         fill(conn, "t", 10)
     with engine.begin() as conn:
-        ids = [r.id for r in Queries(conn).claim_outbox_batch(100, None, 7)]
+        ids = [r.id for r in Queries(conn).claim_outbox_batch(100, relay_lock(conn), 7)]
     assert ids == [7, 8, 9, 10]
 
 
@@ -95,7 +96,7 @@ def test_a_row_below_the_floor_still_holds_back_the_later_rows_of_its_key(
         add_outbox_row(conn, topic="t", key="deal-b")  # id 2
         add_outbox_row(conn, topic="t", key="deal-a")  # id 3, behind id 1
     with engine.begin() as conn:
-        ids = [r.id for r in Queries(conn).claim_outbox_batch(100, None, 2)]
+        ids = [r.id for r in Queries(conn).claim_outbox_batch(100, relay_lock(conn), 2)]
     assert ids == [2]
 
 
@@ -105,7 +106,7 @@ def test_the_floored_walk_starts_at_the_floor_in_the_pending_index(engine: Engin
     with engine.connect() as conn, conn.begin() as tx:
         fill(conn, "t", 2_000)
         conn.execute(text(load()["relay_planner"].text))
-        params = {"batch_size": 100, "holder_pid": None, "from_id": 1_500}
+        params = {"batch_size": 100, "holder_pid": relay_lock(conn), "from_id": 1_500}
         plan = explain(conn, load()["claim_outbox_batch"].text, params)
         tx.rollback()
     [walk] = [n for n, _ in nodes(plan) if n.get("Alias") == "o"]
@@ -132,9 +133,10 @@ def walk_buffers(engine: Engine, from_id: int) -> tuple[int, list[int]]:
     heap pages of the rows it visits), and the ids it claimed (rolled back)."""
     with engine.connect() as conn, conn.begin() as tx:
         conn.execute(text(load()["relay_planner"].text))
-        params = {"batch_size": 500, "holder_pid": None, "from_id": from_id}
+        holder = relay_lock(conn)
+        params = {"batch_size": 500, "holder_pid": holder, "from_id": from_id}
         plan = explain(conn, load()["claim_outbox_batch"].text, params, analyze=True)
-        claimed = [r.id for r in Queries(conn).claim_outbox_batch(500, None, from_id)]
+        claimed = [r.id for r in Queries(conn).claim_outbox_batch(500, holder, from_id)]
         tx.rollback()
     [walk] = [n for n, _ in nodes(plan) if n.get("Alias") == "o"]
     # the walk's own: a node's figures include its subplans' (the per-key probes)
@@ -175,7 +177,6 @@ def test_a_row_committed_below_the_batches_claimed_goes_in_the_same_pass(
     claimed: the claims after it start above id 1 (no walk from the start comes
     within the hour set here), and the pass does not end before a walk from the
     start has found it."""
-    monkeypatch.setattr(relay_module, "FULL_WALK_EVERY_S", 3600.0)
     rsettings = rsettings.model_copy(update={"relay_batch_size": 200})
     late = engine.connect()
     late_tx = late.begin()
@@ -193,6 +194,7 @@ def test_a_row_committed_below_the_batches_claimed_goes_in_the_same_pass(
             return rows
 
         def claim(self: RelayBatches, size: int, **kwargs: Any) -> Any:
+            self.floor.every_s = 3600.0  # no walk from the start comes by the clock
             flight = real_batch_claim(self, size, **kwargs)
             if late_tx.is_active:
                 late_tx.commit()  # id 1 is claimable from here on, below the floor

@@ -17,13 +17,15 @@ from sqlalchemy import text
 from reaper import queries as queries_module
 from reaper.events import Bus, RelayBatchCommitted, RelayCloseFailed
 from reaper.queries import OutboxRow, Queries
-from reaper.relay import RelayBatches, _acknowledgement, first_claim, headers
+from reaper.relay_batches import RelayBatches, _acknowledgement, headers
+from reaper.relay_pipeline import first_claim
 from tests.support.kafka import read_topic
 from tests.test_relay import (  # the relay tests' fixtures and helpers
     add_outbox_row,
     make_relay,
     outbox_rows,
     producers,
+    relay_lock,
     rsettings,
     topic,
 )
@@ -119,7 +121,7 @@ def test_a_claim_reads_its_rows_by_name_as_outbox_rows(engine, topic):
             payload={"eventId": "e", "eventType": "t", "correlationId": "run-1"},
         )
     with engine.begin() as conn:
-        [row] = Queries(conn).claim_outbox_batch(10, None)
+        [row] = Queries(conn).claim_outbox_batch(10, relay_lock(conn))
     assert isinstance(row, OutboxRow)
     assert (row.event_id, row.topic, row.message_key, row.attempts) == (
         event_id,
@@ -146,7 +148,7 @@ def test_a_claim_whose_columns_are_not_the_rows_fields_is_refused(engine, topic,
     with engine.begin() as conn:
         add_outbox_row(conn, topic=topic, key="deal-a")
     with engine.begin() as conn, pytest.raises(RuntimeError, match="message_key"):
-        Queries(conn).claim_outbox_batch(10, None)
+        Queries(conn).claim_outbox_batch(10, relay_lock(conn))
 
 
 def test_records_of_one_cycle_share_their_header_values_and_keep_their_order():

@@ -43,15 +43,88 @@
 -- A window made longer applies to every statement that starts after the change;
 -- one made shorter during a phase, from the next phase (the range is read then).
 
+-- Advisory locks (docs/design.md#the-single-runner-lock), all held until the end
+-- of a transaction. Each lock's key is a fragment, written once here; taking a
+-- lock, waiting for it, and asking pg_locks whether a backend holds it are each
+-- one fragment that takes the key. The run lock, the relay's and the stop
+-- pass's differ in their keys only.
+
+-- fragment: run_lock
+-- The single-runner lock (its key is fixed by the interface).
+hashtextextended('messenger.conference-room-reaper', 0)
+
+-- fragment: relay_lock
+-- One relay pass at a time (try_relay_lock).
+hashtextextended('messenger.conference-room-reaper.relay', 0)
+
+-- fragment: relay_marks
+-- The gate of a relay pass's marks (relay_marks_fence).
+hashtextextended('messenger.conference-room-reaper.relay.marks', 0)
+
+-- fragment: stop_lock
+-- One stop-signal pass at a time (try_stop_lock).
+hashtextextended('messenger.conference-room-reaper.recorder', 0)
+
+-- fragment: stop_marks
+-- The gate of a stop pass's marks (stop_marks_fence).
+hashtextextended('messenger.conference-room-reaper.recorder.marks', 0)
+
+-- fragment: try_lock(key)
+-- The lock, taken without waiting: this session's backend pid when taken (what
+-- the statements of the phase or pass that holds it are fenced on), else NULL.
+SELECT CASE WHEN pg_try_advisory_xact_lock({key}) THEN pg_backend_pid() END AS holder_pid;
+
+-- fragment: wait_lock(key)
+-- The lock, waited for within the transaction's lock_timeout.
+SELECT pg_advisory_xact_lock({key});
+
+-- fragment: lock_row(key)
+-- The row l of pg_locks is the lock, granted, in this database (a bigint key is
+-- split into classid, its high 32 bits, and objid, its low 32; objsubid 1).
+l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+AND l.classid::bigint = (({key} >> 32) & 4294967295)
+AND l.objid::bigint = ({key} & 4294967295)
+
+-- fragment: lock_held(key)
+-- The fence of a phase's or a pass's statements: the lock is still held by the
+-- backend :holder_pid (their lock session; else the server or the network ended
+-- that session, and the lock is free or another's), as pg_locks sees it.
+EXISTS (
+    SELECT FROM pg_locks l
+    WHERE l.pid = :holder_pid AND
+        -- include: lock_row(key)
+)
+
+-- fragment: marks_fence(lock, gate)
+-- The fence of a pass's marks (reaper/lease.py), the first statement of their
+-- transaction: true while the pass's lock session (:holder_pid) still holds the
+-- lock. It first takes the gate of the marks, shared, until the transaction
+-- ends; a pass that takes the lock over waits for every gate held (wait_lock of
+-- the gate) before it begins. So marks that passed the fence commit before a
+-- successor begins, and marks after it find the lock gone. The gate is tried,
+-- not waited for: only a successor takes it exclusively, and then this pass has
+-- lost the lock anyway. The check is correlated with the gate's row, so it is
+-- evaluated after the gate is taken.
+WITH gate AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock_shared({gate}) AS open
+)
+SELECT g.open AND EXISTS (
+    SELECT FROM pg_locks l
+    WHERE g.open AND l.pid = :holder_pid AND
+        -- include: lock_row(lock)
+) AS held
+FROM gate g;
+
 -- name: try_run_lock
--- The single-runner lock, held until the end of the calling transaction.
-SELECT pg_try_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0));
+-- The single-runner lock.
+-- include: try_lock(run_lock)
 
 -- name: wait_run_lock
 -- The same lock for the phase of a cycle that owns the run: another session
 -- holds it only for an instant (a tick looking whether the run is free), so
--- wait for it, within the transaction's lock_timeout.
-SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper', 0));
+-- wait for it.
+-- include: wait_lock(run_lock)
 
 -- name: bound
 -- A transaction's time budget (budgets.py), for this transaction only: a
@@ -221,15 +294,8 @@ fence AS (
     SELECT r.run_id
     FROM messenger.reaper_runs r
     WHERE r.run_id = :run_id AND r.finished_at IS NULL
-      AND EXISTS (
-          SELECT FROM pg_locks l
-          WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-            AND l.pid = :holder_pid
-            AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-            AND l.classid::bigint
-                = ((hashtextextended('messenger.conference-room-reaper', 0) >> 32) & 4294967295)
-            AND l.objid::bigint
-                = (hashtextextended('messenger.conference-room-reaper', 0) & 4294967295))
+      AND
+          -- include: lock_held(run_lock)
     FOR KEY SHARE OF r
 ),
 
@@ -632,11 +698,9 @@ WITH due AS (
       AND (r.stop_next_attempt_at IS NULL OR r.stop_next_attempt_at <= clock_timestamp())
       -- the fence: nothing is claimed once the pass's lock session lost the stop
       -- lock (NULL: the pass of `reaper reap --once`, which takes no lock)
-      AND (CAST(:holder_pid AS integer) IS NULL OR EXISTS (
-               SELECT FROM pg_locks l
-               WHERE
-                   -- include: stop_lock_held
-           ))
+      AND (CAST(:holder_pid AS integer) IS NULL OR
+               -- include: lock_held(stop_lock)
+          )
     ORDER BY s.ended_at, r.id
     LIMIT :limit
     FOR UPDATE OF r SKIP LOCKED
@@ -658,60 +722,24 @@ WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
 -- name: try_stop_lock
 -- One stop-signal pass at a time across all workers, so passes never fill every
 -- worker slot (the claim's lease would keep concurrent passes apart anyway).
--- Held until the end of the calling transaction. The lock session's backend
--- pid when taken (the fence of the pass's claims and marks), else NULL.
-SELECT CASE WHEN pg_try_advisory_xact_lock(
-                     hashtextextended('messenger.conference-room-reaper.recorder', 0))
-            THEN pg_backend_pid() END AS holder_pid;
-
--- fragment: stop_lock_held
--- The stop lock is held by the pass's lock session (:holder_pid), alias l over
--- pg_locks (bigint keys are split into classid = high 32 bits, objid = low 32).
-l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.pid = :holder_pid
-AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-AND l.classid::bigint
-    = ((hashtextextended('messenger.conference-room-reaper.recorder', 0) >> 32) & 4294967295)
-AND l.objid::bigint
-    = (hashtextextended('messenger.conference-room-reaper.recorder', 0) & 4294967295)
+-- include: try_lock(stop_lock)
 
 -- name: stop_marks_fence
--- The fence of a stop pass's marks (reaper/lease.py, docs/design.md#the-recorder-stop-signal),
--- the first statement of their transaction: true while the pass's lock session
--- still holds the stop lock. It first takes the gate of the marks, shared, until
--- the transaction ends; a pass that takes the lock over waits for every gate
--- held (wait_stop_marks) before it begins. So marks that passed the fence commit
--- before a successor begins, and marks after it find the lock gone. The gate
--- is tried, not waited for: it is only taken exclusively by a successor, and
--- then this pass has lost the lock anyway. The check is correlated with the
--- gate's row, so it is evaluated after the gate is taken.
-WITH gate AS MATERIALIZED (
-    SELECT pg_try_advisory_xact_lock_shared(
-               hashtextextended('messenger.conference-room-reaper.recorder.marks', 0)) AS open
-)
-SELECT g.open AND EXISTS (
-    SELECT FROM pg_locks l
-    WHERE g.open AND
-        -- include: stop_lock_held
-) AS held
-FROM gate g;
+-- The fence of a stop pass's marks (docs/design.md#the-recorder-stop-signal).
+-- include: marks_fence(stop_lock, stop_marks)
 
 -- name: wait_stop_marks
 -- A pass that has just taken the stop lock waits until every transaction of an
 -- earlier holder that passed stop_marks_fence has ended (within lock_timeout),
 -- in a savepoint that the caller rolls back, which frees the gate again.
-SELECT pg_advisory_xact_lock(
-           hashtextextended('messenger.conference-room-reaper.recorder.marks', 0));
+-- include: wait_lock(stop_marks)
 
 -- name: run_lock_holder
--- Backend pid holding the single-runner lock, if any (bigint keys are split
--- into classid = high 32 bits, objid = low 32 bits).
+-- Backend pid holding the single-runner lock, if any.
 SELECT l.pid
 FROM pg_locks l
-CROSS JOIN (SELECT hashtextextended('messenger.conference-room-reaper', 0) AS k) key
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid::bigint = ((key.k >> 32) & 4294967295)
-  AND l.objid::bigint = (key.k & 4294967295)
+WHERE
+    -- include: lock_row(run_lock)
 LIMIT 1;
 
 -- name: census_planner
@@ -782,13 +810,9 @@ WITH claimed AS (
       AND o.message_key NOT IN (SELECT p.message_key
                                 FROM messenger.integration_outbox p
                                 WHERE p.parked_at IS NOT NULL AND p.published_at IS NULL)
-      -- the fence: nothing is claimed once the pass's lock session lost the relay
-      -- lock (NULL: a pass that takes no lock, a test's)
-      AND (CAST(:holder_pid AS integer) IS NULL OR EXISTS (
-               SELECT FROM pg_locks l
-               WHERE
-                   -- include: relay_lock_held
-           ))
+      -- the fence: nothing is claimed once the pass's lock session lost the relay lock
+      AND
+          -- include: lock_held(relay_lock)
     ORDER BY o.id
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
@@ -908,50 +932,19 @@ SELECT messenger.delete_published_outbox(make_interval(secs => :retention_s), :b
 -- name: try_relay_lock
 -- One relay pass at a time across all workers, so relays never fill every
 -- worker slot (SKIP LOCKED would keep concurrent passes correct anyway).
--- Held until the end of the calling transaction. The lock session's backend
--- pid when taken (the fence of the pass's claims and marks), else NULL.
-SELECT CASE WHEN pg_try_advisory_xact_lock(
-                     hashtextextended('messenger.conference-room-reaper.relay', 0))
-            THEN pg_backend_pid() END AS holder_pid;
-
--- fragment: relay_lock_held
--- The relay lock is held by the pass's lock session (:holder_pid), alias l over
--- pg_locks (bigint keys are split into classid = high 32 bits, objid = low 32).
-l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.pid = :holder_pid
-AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-AND l.classid::bigint
-    = ((hashtextextended('messenger.conference-room-reaper.relay', 0) >> 32) & 4294967295)
-AND l.objid::bigint
-    = (hashtextextended('messenger.conference-room-reaper.relay', 0) & 4294967295)
+-- include: try_lock(relay_lock)
 
 -- name: relay_marks_fence
--- The fence of a relay batch's marks and commit (reaper/lease.py,
--- docs/design.md#the-outbox-relay), the first statement of the marking: true
--- while the pass's lock session still holds the relay lock. It first takes the
--- gate of the marks, shared, until the batch's transaction ends; a pass that
--- takes the lock over waits for every gate held (wait_relay_marks) before it
--- begins. So a batch that passed the fence commits before a successor begins,
--- and one after it finds the lock gone and commits nothing. The gate is tried,
--- not waited for: only a successor takes it exclusively, and then this pass
--- has lost the lock anyway. The check is correlated with the gate's row, so it
--- is evaluated after the gate is taken. Retention's transactions begin with it
--- too.
-WITH gate AS MATERIALIZED (
-    SELECT pg_try_advisory_xact_lock_shared(
-               hashtextextended('messenger.conference-room-reaper.relay.marks', 0)) AS open
-)
-SELECT g.open AND EXISTS (
-    SELECT FROM pg_locks l
-    WHERE g.open AND
-        -- include: relay_lock_held
-) AS held
-FROM gate g;
+-- The fence of a relay batch's marks and commit (docs/design.md#the-outbox-relay):
+-- a batch that finds the lock gone commits nothing. Retention's transactions
+-- begin with it too.
+-- include: marks_fence(relay_lock, relay_marks)
 
 -- name: wait_relay_marks
 -- A pass that has just taken the relay lock waits until every batch of an
 -- earlier holder that passed relay_marks_fence has ended (within lock_timeout),
 -- in a savepoint that the caller rolls back, which frees the gate again.
-SELECT pg_advisory_xact_lock(hashtextextended('messenger.conference-room-reaper.relay.marks', 0));
+-- include: wait_lock(relay_marks)
 
 -- name: eligible_census
 -- What the next cycle would select, per phase, with the phases' own

