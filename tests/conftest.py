@@ -56,6 +56,7 @@ TABLES = (
     "messenger.realtime_outbox",
     "messenger.integration_outbox",
     "messenger.outbox_discards",
+    "messenger.outbox_republishes",
     "messenger.call_recordings",
     "messenger.conference_participants",
     "messenger.conference_sessions",
