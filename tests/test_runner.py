@@ -123,8 +123,10 @@ def test_a_thread_that_fails_fails_its_test(tmp_path):
         )
     )
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")]
-        + ["--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-q", str(suite)],
+        [
+            *(sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")),
+            *("--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-q", str(suite)),
+        ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
