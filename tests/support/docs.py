@@ -57,9 +57,10 @@ def links(text: str) -> list[str]:
     return re.findall(r"\]\(([^)\s]+)\)", body)
 
 
-def table(path: Path, heading: str) -> list[list[str]]:
-    """The body rows (header and rule left out) of the first table under the
-    heading whose text is ``heading``, at any level, before the next heading."""
+def table(path: Path, heading: str, *, header: bool = False) -> list[list[str]]:
+    """The body rows (header and rule left out, or the header kept first) of the
+    first table under the heading whose text is ``heading``, at any level,
+    before the next heading."""
     lines = path.read_text().splitlines()
     starts = [i for i, line in enumerate(lines) if re.fullmatch(rf"#+ {re.escape(heading)}", line)]
     assert len(starts) == 1, f"{len(starts)} headings '{heading}' in {path}"
@@ -73,7 +74,7 @@ def table(path: Path, heading: str) -> list[list[str]]:
         elif rows:
             break
     assert len(rows) > 2, f"no table under '{heading}' in {path}"
-    return rows[2:]
+    return [rows[0], *rows[2:]] if header else rows[2:]
 
 
 def names(cell: str) -> list[str]:
