@@ -82,7 +82,7 @@ def test_every_metric_is_documented_and_nothing_else():
 
 def test_every_metric_is_documented_with_its_type_and_labels():
     families = exported()
-    wrong = {}
+    wrong: dict[str, object] = {}
     for name, (kind, labels) in documented_metrics().items():
         family = families[name]
         actual = labels_of(family)
@@ -149,7 +149,7 @@ def registered_tasks() -> set[str]:
     """The names given to ``@app.task(name=...)`` in reaper/tasks.py."""
     tree = ast.parse((ROOT / "reaper" / "tasks.py").read_text())
     return {
-        keyword.value.value
+        str(keyword.value.value)
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
         for keyword in node.keywords
