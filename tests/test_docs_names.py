@@ -14,6 +14,7 @@ import re
 import tomllib
 from datetime import UTC, datetime
 
+import yaml
 from prometheus_client import Metric
 
 from reaper import metrics
@@ -229,3 +230,18 @@ def test_the_structure_table_is_the_layers_contract():
     layers = [sorted(layer.split(" | ")) for layer in contract["layers"]]
     documented = [sorted(names(cells[1])) for cells in table(DESIGN, "Structure")]
     assert documented == layers, difference("the layers, from the top", documented, layers)
+
+
+# -- alerts --------------------------------------------------------------------
+
+
+def test_the_alerts_table_is_the_rules_with_their_severity():
+    rules = yaml.safe_load((ROOT / "ops" / "prometheus" / "alerts.yml").read_text())
+    actual = {
+        rule["alert"]: rule["labels"]["severity"]
+        for group in rules["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
+    documented = {names(cells[0])[0]: cells[2] for cells in table(DESIGN, "Alerts")}
+    assert documented == actual, difference("alert: severity", documented, actual)
