@@ -96,3 +96,19 @@ def test_anchors_are_made_as_github_makes_them(heading: str, anchor: str):
 def test_headings_in_code_blocks_are_not_headings():
     text = "# Page\n\n```sh\n# a comment\n```\n\n## Part\n"
     assert headings(text) == [(1, "Page"), (2, "Part")]
+
+
+def first_block(heading: str) -> list[str]:
+    """The lines of the first fenced block under README's ``## heading``."""
+    text = (ROOT / "README.md").read_text().split(f"\n## {heading}\n", 1)[1]
+    return text.split("```", 2)[1].splitlines()[1:]
+
+
+def test_the_readme_runs_and_tests_as_the_scripts_and_ci_do():
+    """A newcomer's two commands: the README's test command is what CI runs."""
+    ci = [
+        line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("exec ")
+    ]
+    assert first_block("Test it") == [ci[0].removeprefix("exec ")]
+    assert first_block("Run it") == ["scripts/run"]
+    assert (ROOT / "scripts" / "run").exists()
