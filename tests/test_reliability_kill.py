@@ -139,7 +139,7 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
     lock_waits: list[float] = []
     drained_per_run: list[int] = []
     before = audit_engine(db)
-    while in_batch < KILLS and kills < 3 * KILLS:
+    while in_batch < KILLS and kills + exited_first < 3 * KILLS:
         log = tmp_path / f"run-{kills}-{exited_first}.log"
         proc = reap_once(log)
 
