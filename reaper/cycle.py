@@ -274,7 +274,7 @@ class Reaper:
             claim.release()
             raise
         lost = claim.release()
-        if False:  # PLANT
+        if lost is not None:
             self.bus.emit(LockLost(run_id=run_id, phase=phase.name, error=lost))
         self.bus.emit(fact)
         return phase_result(
