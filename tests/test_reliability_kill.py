@@ -166,7 +166,7 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
             if audit_engine(db).live == 0:  # it drained the rest: a backlog to kill in
                 seed_backlog(db, empty=1000, provisioning=0, stale=0)
                 total += 1000
-                before = audit_engine(db)
+            before = audit_engine(db)  # what a finished run drained is no killed run's
             continue
         kills += 1
         in_batch += at_kill.in_batch > 0
