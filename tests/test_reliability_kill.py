@@ -49,7 +49,7 @@ LOCK_TTL = 5.0
 ENV = {
     "REAPER_BATCH_SIZE": "25",
     "REAPER_LOCK_TTL": str(LOCK_TTL),
-    "REAPER_RUN_LEASE": "3",
+    "REAPER_RUN_LEASE": "2",  # the least: a killed run is taken over soonest
     "REAPER_MAX_RUN_DURATION": "4",
     "REAPER_MASS_CLOSURE_SHARE": "1",  # the backlog is all stale: not what this tests
 }
@@ -66,6 +66,15 @@ BUSY = text(
     FROM pg_stat_activity
     WHERE datname = current_database() AND application_name = 'conference-room-reaper'
       AND state <> 'idle'
+    """
+)
+
+
+STATEMENTS_RUNNING = text(
+    """
+    SELECT count(*) FROM pg_stat_activity
+    WHERE datname = current_database() AND application_name = 'conference-room-reaper'
+      AND state = 'active'
     """
 )
 
@@ -151,10 +160,16 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
 
         wait_until(batch_running, 30, "a batch running")
         time.sleep(rng.uniform(0, 0.005))  # a random point of that batch, or just past it
-        # Frozen, it sends nothing more: what its sessions show now is what the
-        # kill meets (a statement in flight may finish, but nothing can commit it).
+        # Frozen, it sends nothing more: a statement in flight finishes on the
+        # server, and then what its sessions show is what the kill meets (nothing
+        # can commit what that statement claimed).
         proc.send_signal(signal.SIGSTOP)
         try:
+            wait_until(
+                lambda: watch.execute(STATEMENTS_RUNNING).scalar_one() == 0,
+                LOCK_TTL,
+                "the frozen runner's statements in flight done",
+            )
             at_kill = watch.execute(BUSY).one()
         finally:  # never a stopped process left behind
             finished = proc.poll() is not None
