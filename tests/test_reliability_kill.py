@@ -49,7 +49,7 @@ LOCK_TTL = 5.0
 ENV = {
     "REAPER_BATCH_SIZE": "25",
     "REAPER_LOCK_TTL": str(LOCK_TTL),
-    "REAPER_RUN_LEASE": "3",
+    "REAPER_RUN_LEASE": "2",  # the least: a killed run is taken over soonest
     "REAPER_MAX_RUN_DURATION": "4",
     "REAPER_MASS_CLOSURE_SHARE": "1",  # the backlog is all stale: not what this tests
 }
@@ -66,6 +66,15 @@ BUSY = text(
     FROM pg_stat_activity
     WHERE datname = current_database() AND application_name = 'conference-room-reaper'
       AND state <> 'idle'
+    """
+)
+
+
+STATEMENTS_RUNNING = text(
+    """
+    SELECT count(*) FROM pg_stat_activity
+    WHERE datname = current_database() AND application_name = 'conference-room-reaper'
+      AND state = 'active'
     """
 )
 
@@ -139,22 +148,29 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
     lock_waits: list[float] = []
     drained_per_run: list[int] = []
     before = audit_engine(db)
-    while in_batch < KILLS and kills + exited_first < 3 * KILLS:
+    # every read of pg_stat_activity fresh (its snapshot lasts a transaction), on one
+    # connection: a batch lasts milliseconds, a new connection a few
+    watch = db.connect().execution_options(isolation_level="AUTOCOMMIT")
+    while in_batch < KILLS and kills + exited_first < 4 * KILLS:
         log = tmp_path / f"run-{kills}-{exited_first}.log"
         proc = reap_once(log)
 
         def batch_running(proc: subprocess.Popen[bytes] = proc) -> bool:
-            with db.connect() as conn:
-                return conn.execute(BUSY).one().running > 0 or proc.poll() is not None
+            return watch.execute(BUSY).one().running > 0 or proc.poll() is not None
 
         wait_until(batch_running, 30, "a batch running")
-        time.sleep(rng.uniform(0, 0.05))
-        # Frozen, it sends nothing more: what its sessions show now is what the
-        # kill meets (a statement in flight may finish, but nothing can commit it).
+        time.sleep(rng.uniform(0, 0.005))  # a random point of that batch, or just past it
+        # Frozen, it sends nothing more: a statement in flight finishes on the
+        # server, and then what its sessions show is what the kill meets (nothing
+        # can commit what that statement claimed).
         proc.send_signal(signal.SIGSTOP)
         try:
-            with db.connect() as conn:
-                at_kill = conn.execute(BUSY).one()
+            wait_until(
+                lambda: watch.execute(STATEMENTS_RUNNING).scalar_one() == 0,
+                LOCK_TTL,
+                "the frozen runner's statements in flight done",
+            )
+            at_kill = watch.execute(BUSY).one()
         finally:  # never a stopped process left behind
             finished = proc.poll() is not None
             if not finished:
@@ -164,8 +180,8 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
             exited_first += 1
             assert proc.returncode == 0, log.read_text()
             if audit_engine(db).live == 0:  # it drained the rest: a backlog to kill in
-                seed_backlog(db, empty=1000, provisioning=0, stale=0)
-                total += 1000
+                seed_backlog(db, empty=3000, provisioning=0, stale=0)
+                total += 3000
             before = audit_engine(db)  # what a finished run drained is no killed run's
             continue
         kills += 1
@@ -177,9 +193,10 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
         drained_per_run.append(before.live - after.live)
         before = after
         if after.live == 0:
-            seed_backlog(db, empty=1000, provisioning=0, stale=0)  # keep a backlog to kill in
-            total += 1000
+            seed_backlog(db, empty=3000, provisioning=0, stale=0)  # keep a backlog to kill in
+            total += 3000
             before = audit_engine(db)
+    watch.close()
     # the kills did land inside batches: a transaction open with claimed rows
     assert in_batch == KILLS, f"{in_batch} of {kills} kills landed mid-batch"
 

@@ -209,8 +209,8 @@ def test_hung_runner_loses_the_lock_one_lease_after_the_lock_ttl(database_url, e
     """Alive but never ending: the heartbeat gives up at REAPER_LOCK_TTL, the
     server ends the session one lease later."""
     ttl, lease = 4.0, 2.0
-    started = time.monotonic()
     proc = _start_holder(database_url, "time.sleep(60)", ttl_s=ttl, lease_s=lease)
+    started = time.monotonic()  # it holds the lock: not its process's start (imports)
     try:
         time.sleep(ttl - 1)
         assert holder(engine) is not None, "released before the lock TTL"
