@@ -1,0 +1,154 @@
+"""The campaign's plan and its shrinking, without running anything
+(docs/campaign.md): drawing is a pure function of the seed, the hash is of
+the content, a plan file replays what was drawn, and ddmin finds a smaller
+failing plan on a fake runner."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tests.campaign import shrink as shrinking
+from tests.campaign.bounds import KINDS, RECOVERY_BOUNDS, WORKER_KINDS
+from tests.campaign.plan import COOL_DOWN_S, LENGTH_S, WARM_UP_S, Plan, calm_after, draw
+
+REGRESSIONS = Path(__file__).parent / "campaign" / "regressions"
+
+
+def test_a_seed_draws_the_same_plan_every_time():
+    assert draw(42, 5).canonical() == draw(42, 5).canonical()
+    assert draw(42, 5).sha256 == draw(42, 5).sha256
+    assert draw(42, 5).sha256 != draw(43, 5).sha256
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_plan_overlaps_one_to_three_faults_and_leaves_calm_windows(seed):
+    plan = draw(seed, 10)
+    assert plan.faults
+    assert 1 <= plan.most_at_once() <= 3
+    episodes = list(plan.episodes().values())
+    for faults in episodes:
+        assert 1 <= len(faults) <= 3
+        assert len({f.kind for f in faults}) == len(faults)  # distinct kinds
+        # the faults of an episode overlap: each starts before the first ends
+        assert all(f.start < faults[0].end for f in faults)
+        for fault in faults:
+            assert LENGTH_S[0] <= fault.length <= LENGTH_S[1]
+            assert (fault.target in ("a", "b")) == (fault.kind in WORKER_KINDS)
+    for before, after in itertools.pairwise(episodes):
+        calm = min(f.start for f in after) - max(f.end for f in before)
+        assert calm >= calm_after(before) - 1e-6
+    assert min(f.start for f in plan.faults) >= WARM_UP_S
+    assert plan.duration_s >= max(f.end for f in plan.faults) + COOL_DOWN_S
+    assert plan.duration_s == pytest.approx(600, abs=1) or plan.duration_s > 600
+
+
+def test_a_long_plan_deals_every_kind_before_repeating_one():
+    plan = draw(3, 60)
+    first = [f.kind for f in sorted(plan.faults, key=lambda f: f.start)][: len(KINDS)]
+    assert sorted(first) == sorted(KINDS)
+    assert set(plan.kinds()) == set(KINDS)
+
+
+def test_kinds_drawn_from_are_the_ones_given():
+    plan = draw(5, 10, ("cut_redis", "kill_child"))
+    assert set(plan.kinds()) <= {"cut_redis", "kill_child"}
+    with pytest.raises(ValueError, match="no fault kinds"):
+        draw(5, 10, ())
+
+
+def test_every_kind_has_a_bound():
+    assert set(KINDS) == set(RECOVERY_BOUNDS)
+    assert all(b > 0 for b in RECOVERY_BOUNDS.values())
+
+
+def test_a_plan_file_replays_what_was_drawn(tmp_path):
+    plan = draw(11, 4, plant="lost_event")
+    path = tmp_path / "plan.json"
+    plan.write(path)
+    again = Plan.read(path)
+    assert again == plan
+    assert again.sha256 == json.loads(path.read_text())["sha256"] == plan.sha256
+
+
+def test_the_hash_is_of_what_the_plan_does(tmp_path):
+    plan = draw(11, 4)
+    # notes say where a plan came from: not part of what it does
+    assert replace(plan, notes={"x": 1}).sha256 == plan.sha256
+    longer = replace(plan, faults=(replace(plan.faults[0], length=plan.faults[0].length + 1),))
+    assert longer.sha256 != plan.sha256
+    data = json.loads((plan.write(tmp_path / "p.json"), (tmp_path / "p.json").read_text())[1])
+    data["faults"][0]["start"] += 1  # edited by hand, hash left as it was
+    with pytest.raises(ValueError, match="does not match"):
+        Plan.from_json(data)
+    data = {**plan.to_json(), "faults": [{**plan.to_json()["faults"][0], "kind": "nope"}]}
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        Plan.from_json(data)
+
+
+def test_with_faults_cuts_the_duration_to_what_they_need():
+    plan = draw(8, 10)
+    first = plan.faults[:1]
+    smaller = plan.with_faults(first)
+    assert smaller.faults == first
+    assert smaller.duration_s == pytest.approx(min(plan.duration_s, first[0].end + COOL_DOWN_S))
+    assert plan.with_faults(()).duration_s == pytest.approx(WARM_UP_S + COOL_DOWN_S)
+
+
+# -- shrinking, on a fake runner ---------------------------------------------------------
+
+
+def culprit_runner(*culprits: str, calls: list[Plan] | None = None):
+    """Fails when every culprit kind is in the plan (and the first of them lasts
+    at least 4 s)."""
+
+    def fails(plan: Plan) -> bool:
+        if calls is not None:
+            calls.append(plan)
+        kinds = {f.kind: f for f in plan.faults}
+        return all(c in kinds for c in culprits) and kinds[culprits[0]].length >= 4
+
+    return fails
+
+
+def test_shrinking_finds_the_one_fault_that_fails():
+    plan = draw(21, 30)
+    culprit = plan.faults[len(plan.faults) // 2].kind
+    out = shrinking.shrink(plan, culprit_runner(culprit), budget=60)
+    assert [f.kind for f in out.plan.faults] == [culprit]
+    assert LENGTH_S[0] <= out.plan.faults[0].length  # shortened, never below the least
+    assert culprit_runner(culprit)(out.plan)
+    assert out.plan.duration_s < plan.duration_s
+
+
+def test_shrinking_keeps_a_pair_that_fails_only_together():
+    plan = draw(22, 30)
+    a, b = plan.faults[1].kind, plan.faults[-2].kind
+    assert a != b
+    out = shrinking.shrink(plan, culprit_runner(a, b), budget=80)
+    assert sorted(f.kind for f in out.plan.faults) == sorted([a, b])
+
+
+def test_shrinking_to_no_fault_when_it_fails_anyway():
+    plan = draw(23, 10)
+    out = shrinking.shrink(plan, lambda p: True, budget=40)
+    assert out.plan.faults == ()
+
+
+def test_shrinking_stops_at_its_budget():
+    plan = draw(24, 30)
+    calls: list[Plan] = []
+    out = shrinking.shrink(plan, culprit_runner("nothing-fails", calls=calls), budget=5)
+    assert len(calls) == out.tries == 5
+    assert out.plan == plan  # nothing smaller failed
+    assert out.history[-1] == "budget of 5 runs spent"
+
+
+def test_every_regression_plan_reads():
+    for path in sorted(REGRESSIONS.glob("*.json")):
+        plan = Plan.read(path)
+        assert all(f.kind in KINDS for f in plan.faults), path
