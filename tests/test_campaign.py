@@ -1,0 +1,61 @@
+"""The fault campaign in the suite (docs/campaign.md#in-the-suite): one fixed
+seed and every regression plan kept in tests/campaign/regressions/ must pass;
+and a planted defect must be reported, so the campaign is seen to fail when
+an invariant breaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.campaign import report as printing
+from tests.campaign.plan import Plan, draw
+from tests.campaign.runner import run
+from tests.support.figures import figure
+
+pytestmark = pytest.mark.process
+
+REGRESSIONS = sorted((Path(__file__).parent / "campaign" / "regressions").glob("*.json"))
+# The seed CI runs: its plan covers kills, cuts, restarts, a frozen owner and a
+# relay pass, held rows and a refusing recorder within its minutes.
+FIXED_SEED = 20261207
+FIXED_MINUTES = 2.5
+
+
+def passes(report: dict) -> None:
+    text = printing.render(report)
+    print(text)
+    assert report["verdict"] == "pass", text
+
+
+def test_the_fixed_seed_passes(tmp_path):
+    plan = draw(FIXED_SEED, FIXED_MINUTES)
+    report = run(plan, tmp_path / "fixed")
+    passes(report)
+    landed = sum(report["faults"]["landed"].values())
+    figure(
+        f"campaign seed {FIXED_SEED} ({plan.sha256[:12]}): {landed} "
+        f"faults, most at once {report['most_at_once']}, recovery max per kind "
+        + ", ".join(f"{k} {s['max']:.1f}s/{s['bound']:.0f}s" for k, s in report["recovery"].items())
+    )
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
+def test_a_regression_plan_passes(path, tmp_path):
+    passes(run(Plan.read(path), tmp_path / path.stem))
+
+
+@pytest.mark.parametrize(
+    ("plant", "invariant"),
+    [("closed_after_join", "no_close_after_join"), ("lost_event", "ledger")],
+)
+def test_a_planted_defect_is_reported(plant, invariant, tmp_path):
+    """A plan with no fault and a planted defect: the campaign fails, and names
+    the invariant that caught it."""
+    plan = draw(FIXED_SEED, 1, plant=plant).with_faults(())
+    report = run(plan, tmp_path / plant)
+    print(printing.render(report))
+    assert report["verdict"] == "fail"
+    assert report["invariants"][invariant]["verdict"] == "fail"
+    assert report["invariants"][invariant]["examples"]
