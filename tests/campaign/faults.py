@@ -78,10 +78,22 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def _opened(pid: int) -> list[str]:
+    found = []
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                found.append(os.readlink(fd))
+    return found
+
+
 def beat_pid(world: World, name: str) -> int | None:
-    """The embedded beat: the worker's child whose title says beat."""
+    """The embedded beat: the worker's child whose title says beat, or which
+    holds the beat's schedule file open."""
     for pid in children(worker_pid(world, name)):
         if "beat" in _cmdline(pid).lower() or "beat" in _comm(pid).lower():
+            return pid
+        if any("beat-schedule" in path for path in _opened(pid)):
             return pid
     return None
 
