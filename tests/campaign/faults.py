@@ -210,15 +210,18 @@ def _restart_worker(world: World, fault: Injected) -> None:
 
 
 def _roll_worker(world: World, target: str) -> Injected:
-    worker = world.workers[target]
-    worker_pid(world, target)
-    started = time.monotonic()
-    code = worker.stop(signal.SIGTERM, timeout=30)  # a warm shutdown, as a deploy does
-    return Injected(
-        "roll_worker",
-        target,
-        f"SIGTERM worker {target}: exited {code} after {time.monotonic() - started:.1f}s",
-    )
+    """A deploy's first half: SIGTERM, a warm shutdown (the tasks under way
+    finish). Not waited for here: the schedule goes on meanwhile."""
+    pid = worker_pid(world, target)
+    _signal(pid, signal.SIGTERM)
+    return Injected("roll_worker", target, f"SIGTERM worker {target} ({pid})")
+
+
+def _rolled(world: World, fault: Injected) -> None:
+    """The deploy's second half: once the old worker has exited (SIGKILL after
+    30 s, as an orchestrator's grace period), the new one starts."""
+    world.workers[fault.target].stop(signal.SIGTERM, timeout=30)
+    world.start_worker(fault.target, wait_ready=False)
 
 
 def _stop_holder(kind: str, key: str, what: str) -> Callable[[World, str], Injected]:
@@ -355,7 +358,7 @@ HEAL: dict[str, Callable[[World, Injected], None]] = {
     "kill_parent": _restart_worker,
     "kill_child": _nothing,  # the pool replaces its child
     "kill_beat": _restart_worker,
-    "roll_worker": lambda world, fault: world.start_worker(fault.target, wait_ready=False),
+    "roll_worker": _rolled,
     "stop_lock_holder": _cont,
     "stop_relay": _cont,
     "cut_postgres": _uncut,
