@@ -17,32 +17,32 @@ from __future__ import annotations
 RECOVERY_BOUNDS: dict[str, float] = {
     # a worker restarted by the heal needs its start (about 5 s on a busy
     # machine), then a tick; a run it owned is taken over one lease later
-    "kill_parent": 30.0,
-    "kill_beat": 30.0,
-    "roll_worker": 30.0,
+    "kill_parent": 20.0,
+    "kill_beat": 20.0,
+    "roll_worker": 20.0,
     # the pool replaces the child at once; the run it held is taken over one
     # lease after its lock session ended
-    "kill_child": 20.0,
+    "kill_child": 12.0,
     # woken, the owner finds its lock gone and stops; meanwhile the other
     # replica took over one lease after the freeze
-    "stop_lock_holder": 20.0,
-    "stop_relay": 20.0,
+    "stop_lock_holder": 12.0,
+    "stop_relay": 12.0,
     # connections cut silently: each side gives up within the TCP bound (4 s)
     # and connects anew; a run whose lock session died is taken over
-    "cut_postgres": 25.0,
-    "cut_redis": 25.0,
-    "cut_kafka": 25.0,
+    "cut_postgres": 15.0,
+    "cut_redis": 15.0,
+    "cut_kafka": 15.0,
     # a crash of the server: every session gone, the pools reconnect
-    "restart_postgres": 25.0,
-    "restart_redis": 25.0,
+    "restart_postgres": 15.0,
+    "restart_redis": 15.0,
     # the lock's session ended by the server: the run is taken over
-    "terminate_lock_session": 20.0,
+    "terminate_lock_session": 12.0,
     # a long transaction or held rows: nothing to redo once it ends
-    "held_snapshot": 15.0,
-    "rows_held": 15.0,
+    "held_snapshot": 10.0,
+    "rows_held": 10.0,
     # the recorder back: the signals due are retried within their back-off
-    "recorder_refuse": 30.0,
-    "recorder_trickle": 30.0,
+    "recorder_refuse": 15.0,
+    "recorder_trickle": 15.0,
 }
 
 # The kinds drawn by default: every kind with a bound above.

@@ -181,10 +181,37 @@ def heal(world: World, fault: Injected) -> None:
     HEAL[fault.kind](world, fault)
 
 
+def aim(world: World, moment: str) -> str:
+    """Wait (within FIND_S) for the moment a fault hurts most: ``cycle``, a run
+    open in messenger.reaper_runs (its chain is under way: a worker or the
+    broker lost now may lose it); ``relay``, a relay pass holding its lock
+    (its sends in flight). Then the fault goes in either way; the action log
+    says whether it was aimed."""
+    assert world.engine is not None
+    sql = {
+        "cycle": "SELECT EXISTS (SELECT FROM messenger.reaper_runs WHERE finished_at IS NULL)",
+        "relay": "SELECT EXISTS (SELECT FROM pg_locks l WHERE l.locktype = 'advisory'"
+        " AND l.granted AND l.objsubid = 1 AND l.objid::bigint ="
+        f" (hashtextextended('{RELAY_LOCK}', 0) & 4294967295))",
+    }[moment]
+
+    def now() -> bool:
+        assert world.engine is not None
+        with world.engine.connect() as conn:
+            return bool(conn.execute(text(sql)).scalar())
+
+    try:
+        wait_for(now, moment)
+    except Missed:
+        return f"not aimed (no {moment} under way)"
+    return f"aimed at a {moment} under way"
+
+
 def _kill_parent(world: World, target: str) -> Injected:
     pid = worker_pid(world, target)
+    aimed = aim(world, "cycle")
     _signal(pid, signal.SIGKILL)
-    return Injected("kill_parent", target, f"SIGKILL worker {target} parent {pid}")
+    return Injected("kill_parent", target, f"SIGKILL worker {target} parent {pid}, {aimed}")
 
 
 def _kill_child(world: World, target: str) -> Injected:
@@ -213,8 +240,9 @@ def _roll_worker(world: World, target: str) -> Injected:
     """A deploy's first half: SIGTERM, a warm shutdown (the tasks under way
     finish). Not waited for here: the schedule goes on meanwhile."""
     pid = worker_pid(world, target)
+    aimed = aim(world, "cycle")
     _signal(pid, signal.SIGTERM)
-    return Injected("roll_worker", target, f"SIGTERM worker {target} ({pid})")
+    return Injected("roll_worker", target, f"SIGTERM worker {target} ({pid}), {aimed}")
 
 
 def _rolled(world: World, fault: Injected) -> None:
@@ -239,8 +267,11 @@ def _cont(world: World, fault: Injected) -> None:
 
 def _cut(service: str) -> Callable[[World, str], Injected]:
     def cut(world: World, target: str) -> Injected:
+        aimed = aim(world, "relay" if service == "kafka" else "cycle")
         n = world.proxies[service].cut()
-        return Injected(f"cut_{service}", "", f"iptables DROP on {n} open {service} connections")
+        return Injected(
+            f"cut_{service}", "", f"iptables DROP on {n} open {service} connections, {aimed}"
+        )
 
     return cut
 
@@ -263,8 +294,9 @@ def _start_postgres(world: World, fault: Injected) -> None:
 
 def _restart_redis(world: World, target: str) -> Injected:
     assert world.redis is not None
+    aimed = aim(world, "cycle")
     world.redis.stop()  # SIGKILL; no persistence: the queues are gone
-    return Injected("restart_redis", "", "Redis killed (its queues lost)")
+    return Injected("restart_redis", "", f"Redis killed (its queues lost), {aimed}")
 
 
 def _start_redis(world: World, fault: Injected) -> None:

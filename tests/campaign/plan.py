@@ -33,7 +33,7 @@ SPREAD_S = 4.0
 # The calm window after an episode: its kinds' longest bound times this, so
 # the probe of the episode's recovery has time to show it (and a slow one is
 # a finding, not a window too short).
-CALM_FACTOR = 1.2
+CALM_FACTOR = 1.0
 WORKERS = ("a", "b")
 
 
@@ -196,12 +196,14 @@ def draw(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS, *, plant: st
                 continue
             chosen.append(kind)
         members: list[Fault] = []
-        offset = 0.0
-        for kind in chosen:
-            length = round(rng.uniform(*LENGTH_S), 1)
+        first_length = round(rng.uniform(*LENGTH_S), 1)
+        # the others start while the first is in force (so they overlap it)
+        latest = min(SPREAD_S, first_length - 0.5)
+        offsets = [0.0] + sorted(rng.uniform(0.2, latest) for _ in chosen[1:])
+        for i, (kind, offset) in enumerate(zip(chosen, offsets, strict=True)):
+            length = first_length if i == 0 else round(rng.uniform(*LENGTH_S), 1)
             target = rng.choice(WORKERS) if kind in WORKER_KINDS else ""
             members.append(Fault(kind, round(t + offset, 1), length, target, episode))
-            offset += rng.uniform(0.5, SPREAD_S / max(1, len(chosen) - 1))
         end = max(f.end for f in members) + calm_after(members)
         if end + COOL_DOWN_S > total and faults:
             break
