@@ -40,7 +40,8 @@ class OutboxRow(NamedTuple):
     """A claimed outbox row, as the relay sends it (``claim_outbox_batch``'s
     columns, in their order). A plain tuple, not a SQLAlchemy Row: the relay reads
     a row's fields several times per event, and a Row's attribute access costs
-    ten times a tuple's (docs/performance.md, "The relay's own Python per event")."""
+    ten times a tuple's
+    (docs/history/performance-notes.md#the-relays-own-python-per-event-6-december-night)."""
 
     id: int
     event_id: str

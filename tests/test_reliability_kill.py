@@ -1,10 +1,14 @@
-"""kill -9 inside a batch, 20 times at random points over a backlog.
+"""kill -9 inside a batch, 10 times, at random points of a batch, over a backlog.
 
-Each ``reaper reap --once`` subprocess is SIGKILLed at a random moment after
-its first batch committed. After every kill: no half-applied batch (every
-Ended/Failed row has exactly its outbox rows and every outbox row its
-transition), nothing twice, the run lock free within REAPER_LOCK_TTL; at the
-end the backlog is fully drained. A second test kills the prefork children
+Each ``reaper reap --once`` subprocess is SIGKILLed at a random moment (0-50
+ms) after one of its batch statements is seen running. The process is frozen
+(SIGSTOP) first and its sessions read: a kill counts as landed mid-batch when
+a batch's transaction was open with rows claimed (its statement ran or runs,
+its transaction holds an xid, nothing committed it) at the moment of the kill.
+The test goes on until 10 kills landed so. After every kill: no half-applied
+batch (every Ended/Failed row has exactly its outbox rows and every outbox row
+its transition), nothing twice, the run lock free within REAPER_LOCK_TTL; at
+the end the backlog is fully drained. A second test kills the prefork children
 of a real ``worker -B`` mid-cycle.
 """
 
@@ -28,7 +32,7 @@ from reaper.runs import holder
 from tests.conftest import clean
 from tests.support import factory as f
 from tests.support import services
-from tests.support.activity import BATCH_RUNNING
+from tests.support.activity import BATCH_RUNNING, BATCH_TEXT
 from tests.support.factory import T0
 from tests.support.figures import figure
 from tests.support.invariants import audit_engine
@@ -39,7 +43,8 @@ wait_until = functools.partial(services.wait_until, interval=0.01)
 
 REAPER = str(Path(sys.executable).parent / "reaper")
 SOAK = os.environ.get("REAPER_SOAK") == "1"
-KILLS = int(os.environ.get("REAPER_KILLS", "100" if SOAK else "20"))
+# kills that landed mid-batch; the others (the batch had just committed) count apart
+KILLS = int(os.environ.get("REAPER_KILLS", "100" if SOAK else "10"))
 LOCK_TTL = 5.0
 ENV = {
     "REAPER_BATCH_SIZE": "25",
@@ -52,7 +57,12 @@ ENV = {
 BUSY = text(
     f"""
     SELECT count(*) FILTER (WHERE xact_start IS NOT NULL) AS in_xact,
-           count(*) FILTER (WHERE {BATCH_RUNNING}) AS in_batch
+           count(*) FILTER (WHERE {BATCH_RUNNING}) AS running,
+           -- a batch's transaction open with rows claimed: its statement (running,
+           -- or the last one of an idle transaction) is a phase batch's, and its
+           -- claim's row locks gave the transaction an xid
+           count(*) FILTER (WHERE xact_start IS NOT NULL AND backend_xid IS NOT NULL
+                            AND query LIKE '{BATCH_TEXT}') AS in_batch
     FROM pg_stat_activity
     WHERE datname = current_database() AND application_name = 'conference-room-reaper'
       AND state <> 'idle'
@@ -121,7 +131,7 @@ def settle(engine: Engine) -> float:
 
 
 @pytest.mark.soak
-def test_kill_9_mid_batch_20_times(db, tmp_path):
+def test_kill_9_mid_batch_10_times(db, tmp_path):
     rng = random.Random(int(os.environ.get("REAPER_SEED", "5")))
     seed_backlog(db, empty=6000, provisioning=1500, stale=1500)
     total = 9000
@@ -129,28 +139,34 @@ def test_kill_9_mid_batch_20_times(db, tmp_path):
     lock_waits: list[float] = []
     drained_per_run: list[int] = []
     before = audit_engine(db)
-    while kills < KILLS:
+    while in_batch < KILLS and kills < 3 * KILLS:
         log = tmp_path / f"run-{kills}-{exited_first}.log"
         proc = reap_once(log)
-        wait_until(
-            lambda log=log, proc=proc: (
-                b"batch.selected" in log.read_bytes() or proc.poll() is not None
-            ),
-            30,
-            "first batch",
-        )
-        time.sleep(rng.uniform(0, 0.3))
-        with db.connect() as conn:
-            busy = conn.execute(BUSY).one()
-        if proc.poll() is not None:  # it finished first: not a kill
+
+        def batch_running(proc: subprocess.Popen[bytes] = proc) -> bool:
+            with db.connect() as conn:
+                return conn.execute(BUSY).one().running > 0 or proc.poll() is not None
+
+        wait_until(batch_running, 30, "a batch running")
+        time.sleep(rng.uniform(0, 0.05))
+        # Frozen, it sends nothing more: what its sessions show now is what the
+        # kill meets (a statement in flight may finish, but nothing can commit it).
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with db.connect() as conn:
+                at_kill = conn.execute(BUSY).one()
+        finally:  # never a stopped process left behind
+            finished = proc.poll() is not None
+            if not finished:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+        if finished:  # it finished first: not a kill
             exited_first += 1
             assert proc.returncode == 0, log.read_text()
             continue
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
         kills += 1
-        in_batch += busy.in_batch > 0
-        in_xact += busy.in_xact > 0
+        in_batch += at_kill.in_batch > 0
+        in_xact += at_kill.in_xact > 0
         lock_waits.append(settle(db))
         after = audit_engine(db)
         after.assert_clean()  # no half batch, nothing twice
@@ -160,6 +176,8 @@ def test_kill_9_mid_batch_20_times(db, tmp_path):
             seed_backlog(db, empty=1000, provisioning=0, stale=0)  # keep a backlog to kill in
             total += 1000
             before = audit_engine(db)
+    # the kills did land inside batches: a transaction open with claimed rows
+    assert in_batch == KILLS, f"{in_batch} of {kills} kills landed mid-batch"
 
     runs = 0
     while audit_engine(db).live and runs < 20:  # recovery: plain runs drain the rest
@@ -177,14 +195,13 @@ def test_kill_9_mid_batch_20_times(db, tmp_path):
     assert final.integration == final.ended and final.realtime == total
     assert max(lock_waits) < LOCK_TTL
     figure(
-        f"kill -9 of reap --once: {kills} kills ({in_batch} with a batch statement "
-        f"running, {in_xact} with a transaction open at the signal; {exited_first} runs "
-        f"finished first), backlog {total} rooms, rows per killed run "
-        f"{min(drained_per_run)}..{max(drained_per_run)}, lock free after "
+        f"kill -9 of reap --once: {kills} kills ({in_batch} mid-batch: a batch's "
+        f"transaction open with rows claimed; {in_xact} with a transaction open at the "
+        f"signal; {exited_first} runs finished first), backlog {total} rooms, rows per "
+        f"killed run {min(drained_per_run)}..{max(drained_per_run)}, lock free after "
         f"max {max(lock_waits):.3f}s (TTL {LOCK_TTL}s), {runs} recovery runs; "
         f"lost 0, duplicated 0, half batches 0"
     )
-    assert in_xact > 0  # the kills did land inside transactions
 
 
 BATCH_CLIENT = text(

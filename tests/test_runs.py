@@ -45,8 +45,15 @@ def _holder_script(database_url: str, ttl_s: float, lease_s: float, then: str) -
     )
 
 
+# The server ends a silent lock session one lease after its last word; past that,
+# its timer's own lateness and this test's poll (every 50 ms) on a CPU shared with
+# the test beside it. A lock left to its lease would take a whole lease more.
+SERVER_MARGIN_S = 1.5
+DEFAULT_LEASE_S = 10.0
+
+
 def _start_holder(
-    database_url: str, then: str, *, ttl_s: float = 60, lease_s: float = 10
+    database_url: str, then: str, *, ttl_s: float = 60, lease_s: float = DEFAULT_LEASE_S
 ) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", _holder_script(database_url, ttl_s, lease_s, then)],
@@ -131,7 +138,7 @@ def test_killed_runner_loses_the_lock_at_once(database_url, engine):
     waited = _wait_free(engine, timeout=10)
     figure(f"lock free {waited:.2f}s after kill -9 (lease 10s)")
     # "at once": the server sees the connection close; nothing waits for a lease
-    assert waited <= 1.0, waited
+    assert waited <= DEFAULT_LEASE_S / 5, waited
 
 
 @pytest.mark.process
@@ -144,7 +151,7 @@ def test_frozen_runner_loses_the_lock_within_its_lease(database_url, engine):
         time.sleep(0.5)
         assert holder(engine) is not None, "released before the lease"
         waited = _wait_free(engine, timeout=lease + 5)
-        assert waited <= lease + 1.5
+        assert waited <= lease + SERVER_MARGIN_S, waited
         figure(
             f"frozen runner's lock freed by PostgreSQL after {waited + 0.5:.2f}s (lease {lease}s)"
         )
@@ -182,7 +189,8 @@ def test_hung_runner_loses_the_lock_one_lease_after_the_lock_ttl(database_url, e
         assert holder(engine) is not None, "released before the lock TTL"
         _wait_free(engine, timeout=lease + 5)
         freed = time.monotonic() - started
-        assert ttl <= freed <= ttl + lease + 2, freed
+        # the heartbeat gives up at the TTL; the server ends the session a lease later
+        assert ttl <= freed <= ttl + lease + SERVER_MARGIN_S, freed
         figure(f"hung runner's lock freed after {freed:.2f}s (TTL {ttl}s, lease {lease}s)")
     finally:
         proc.send_signal(signal.SIGKILL)

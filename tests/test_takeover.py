@@ -20,6 +20,7 @@ from sqlalchemy import Engine, create_engine, text
 
 from tests.conftest import clean
 from tests.support import factory as f
+from tests.support.facts import output_events
 from tests.support.figures import figure
 from tests.support.invariants import audit_engine
 from tests.support.processes import Worker, wait_until
@@ -184,7 +185,14 @@ def test_a_frozen_owner_loses_the_run_and_never_commits_after_it(db, tmp_path: P
         assert outcome() == "taken_over"
         by_frozen = frozen_events(db, frozen_run)
         killpg(first, signal.SIGCONT)
-        time.sleep(5)  # its threads wake and try their next batches
+        # Woken, its lanes try their next batches and find the run fenced off; the
+        # phase ends and says so when it lets go of its lock: nothing of that
+        # phase commits after its lock.lost line.
+        first.wait_for(
+            lambda out: any(e.get("run_id") == frozen_run for e in output_events(out, "lock.lost")),
+            60,
+            "the woken owner's lock.lost",
+        )
         assert frozen_events(db, frozen_run) == by_frozen
         finish(second, db)
     finally:
