@@ -1,5 +1,5 @@
 """Shrinking: a failing plan reduced to a smaller plan that still fails
-(docs/campaign.md#shrinking).
+(docs/campaign.md#replaying-and-shrinking).
 
 Delta debugging (Zeller's ddmin) over the plan's faults: try halves, then
 their complements, then finer pieces, keeping any smaller set that still
