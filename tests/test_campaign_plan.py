@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.campaign import report as printing
 from tests.campaign import shrink as shrinking
 from tests.campaign.bounds import KINDS, RECOVERY_BOUNDS, WORKER_KINDS
 from tests.campaign.plan import COOL_DOWN_S, LENGTH_S, WARM_UP_S, Plan, calm_after, draw
@@ -153,3 +154,56 @@ def test_every_regression_plan_reads():
     for path in sorted(REGRESSIONS.glob("*.json")):
         plan = Plan.read(path)
         assert all(f.kind in KINDS for f in plan.faults), path
+
+
+# -- what it prints ------------------------------------------------------------------------
+
+
+def fake_report(seed: int, verdict: str, lost: int) -> dict:
+    return {
+        "seed": seed,
+        "plan_sha256": "ab" * 32,
+        "plant": "",
+        "duration_s": 150.0,
+        "verdict": verdict,
+        "faults": {
+            "planned": {"cut_kafka": 2},
+            "landed": {"cut_kafka": 1},
+            "missed": {"cut_kafka": 1},
+        },
+        "most_at_once": 2,
+        "invariants": {
+            "ledger": {
+                "verdict": "fail" if lost else "pass",
+                "detail": f"lost {lost}",
+                "examples": [{"lost": {"conference_id": "c-1"}}] if lost else [],
+                "counts": {"lost": lost, "redelivered": 3},
+            },
+            "coverage": {"verdict": verdict, "detail": "", "examples": [], "counts": {}},
+        },
+        "recovery": {"cut_kafka": {"n": 1, "p50": 2.0, "p99": 2.0, "max": 2.0, "bound": 15.0}},
+        "paths": {"takeover": 1, "rescued_chain": 0, "relay_retry": 2, "duplicate_publish": 3},
+        "rooms": {"written": 10, "by_kind": {}, "joined": 1, "ended_by_command": 1},
+        "workdir": f"/tmp/w/{seed}",
+    }
+
+
+def test_a_report_says_seed_hash_verdicts_counts_recovery_and_the_replay():
+    text = printing.render(fake_report(7, "fail", 2))
+    assert "campaign seed 7  plan abababababababab" in text
+    assert "verdict: FAIL" in text
+    assert "cut_kafka                1/2  missed 1" in text
+    assert "most at once 2" in text
+    assert "ledger                     FAIL" in text and "'c-1'" in text
+    assert "delivery: lost 2, duplicated 0, unexpected 0, redelivered 3" in text
+    assert "n=1   2.0s / 2.0s / 2.0s  bound 15s  ok" in text
+    assert "replay: scripts/campaign --plan /tmp/w/7/plan.json" in text
+
+
+def test_a_summary_across_seeds_counts_verdicts_and_worst_recovery():
+    text = printing.summary([fake_report(1, "pass", 0), fake_report(2, "fail", 1)])
+    assert text.startswith("2 campaigns:")
+    assert "seed 2          FAIL     faults 1 (most at once 2), lost 1; not passed:" in text
+    assert "faults landed: 2 {'cut_kafka': 2}" in text
+    assert "worst recovery per kind: cut_kafka 2.0s" in text
+    assert text.endswith("verdicts: pass 1, fail 1, unknown 0")
