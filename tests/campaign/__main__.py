@@ -31,7 +31,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--report", type=Path, help="write the verdict(s) as JSON here")
     p.add_argument("--kinds", help="comma-separated fault kinds to draw from (default: all)")
     p.add_argument(
-        "--plant", choices=sorted(PLANTS), help="plant a defect the campaign must report"
+        "--plant",
+        help=f"plant defects the campaign must report (comma-separated: {', '.join(PLANTS)})",
     )
     p.add_argument("--workdir", type=Path, help="where plans, actions and logs go")
     p.add_argument("--dry-run", action="store_true", help="print the plan and stop")
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         print(f"unknown fault kinds: {', '.join(unknown)}; known: {', '.join(KINDS)}")
+        return 2
+    unknown = sorted(set(args.plant.split(",")) - set(PLANTS)) if args.plant else []
+    if unknown:
+        print(f"unknown plants: {', '.join(unknown)}; known: {', '.join(PLANTS)}")
         return 2
     if args.plan:
         plans = [Plan.read(args.plan)]

@@ -199,7 +199,7 @@ def draw(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS, *, plant: st
         first_length = round(rng.uniform(*LENGTH_S), 1)
         # the others start while the first is in force (so they overlap it)
         latest = min(SPREAD_S, first_length - 0.5)
-        offsets = [0.0] + sorted(rng.uniform(0.2, latest) for _ in chosen[1:])
+        offsets = [0.0, *sorted(rng.uniform(0.2, latest) for _ in chosen[1:])]
         for i, (kind, offset) in enumerate(zip(chosen, offsets, strict=True)):
             length = first_length if i == 0 else round(rng.uniform(*LENGTH_S), 1)
             target = rng.choice(WORKERS) if kind in WORKER_KINDS else ""

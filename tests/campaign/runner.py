@@ -28,7 +28,8 @@ from tests.campaign.plan import COOL_DOWN_S, Fault, Plan
 from tests.campaign.workload import WorkloadThread
 from tests.support.facts import output_events
 
-# A planted defect: a run that must be reported failing (tests/campaign/test_campaign.py).
+# A planted defect: a run that must be reported failing (tests/test_campaign.py), and
+# the invariant that must catch it. A plan may plant several, comma-separated.
 PLANTS = {
     # a closed room's event deleted from the outbox before the relay sent it:
     # the ledger must call it lost
@@ -154,7 +155,7 @@ def run(plan: Plan, workdir: Path | None = None, *, keep: bool = False) -> dict[
         for at, step, index, fault in schedule:
             if plant_at is not None and at >= plant_at:
                 _sleep_until(log, plant_at)
-                _plant(world, plan.plant, workload, log)
+                _plants(world, plan.plant, workload, log)
                 plant_at = None
             _sleep_until(log, at)
             if step == "inject":
@@ -187,7 +188,7 @@ def run(plan: Plan, workdir: Path | None = None, *, keep: bool = False) -> dict[
                     log("probe", episode=fault.episode, kinds=kinds)
         if plant_at is not None:
             _sleep_until(log, plant_at)
-            _plant(world, plan.plant, workload, log)
+            _plants(world, plan.plant, workload, log)
         # the last rooms written must have had time to become eligible and close
         _sleep_until(log, plan.duration_s - COOL_DOWN_S)
         workload.stop_writing.set()
@@ -240,6 +241,11 @@ def _sleep_until(log: Log, at: float) -> None:
     delay = at - (time.monotonic() - log.t0)
     if delay > 0:
         time.sleep(delay)
+
+
+def _plants(world: World, plants: str, workload: WorkloadThread, log: Log) -> None:
+    for plant in plants.split(","):
+        _plant(world, plant, workload, log)
 
 
 def _plant(world: World, plant: str, workload: WorkloadThread, log: Log) -> None:
