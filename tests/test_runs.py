@@ -10,12 +10,14 @@ import sys
 import textwrap
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import Engine, text
 
 from reaper.config import Settings
-from reaper.runs import Runs, holder
+from reaper.phases import EMPTY_ROOM
+from reaper.runs import LOCK_SESSION_ENDED, Runs, holder
 from tests.support.figures import figure
 
 KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
@@ -105,6 +107,31 @@ def test_lock_is_released_when_the_phase_ends_either_way(settings, engine):
         finally:
             claim.release()
     assert holder(engine) is None
+
+
+def test_a_phase_whose_heartbeat_found_its_session_ended_tells_the_lost_lock(settings, engine):
+    """A frozen phase woken after its lease: its heartbeat's next beat fails on the
+    ended session first. The release tells the lost lock (the phase then logs
+    lock.lost), it does not raise on the connection that failed beat left unusable
+    (seen: PendingRollbackError, no lock.lost, in test_takeover's woken owner)."""
+    settings = settings.model_copy(update={"run_lease": timedelta(seconds=2)})
+    run_id = str(uuid.uuid4())
+    assert runs(settings, engine).take(run_id, None).skipped is None
+    claim = runs(settings, engine).claim(run_id, "empty_room")
+    assert claim is not None
+    claim.run.counts[EMPTY_ROOM.count_key] = 7  # what its batches committed
+    session = holder(engine)
+    with engine.begin() as admin:
+        assert admin.execute(text("SELECT pg_terminate_backend(:p)"), {"p": session}).scalar()
+    # one beat period (a quarter of the lease) and a few more for a shared CPU
+    assert claim.heartbeat.lost.wait(timeout=5), "the heartbeat never beat on the ended session"
+    assert claim.release() == LOCK_SESSION_ENDED
+    assert holder(engine) is None
+    with engine.connect() as conn:  # the run still says what the phase committed
+        saved = conn.execute(
+            text("SELECT counts FROM messenger.reaper_runs WHERE run_id = :r"), {"r": run_id}
+        ).scalar_one()
+    assert saved[EMPTY_ROOM.count_key] == 7
 
 
 def test_lock_never_returns_to_the_pool(settings, engine):
