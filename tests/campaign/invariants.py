@@ -9,10 +9,13 @@ from __future__ import annotations
 import itertools
 import statistics
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine, text
 
+from reaper.config import Settings
+from reaper.ledger import Ledger, Verdict
 from tests.campaign.bounds import RECOVERY_BOUNDS, RECOVERY_PATHS
 from tests.campaign.environment import POLLING_INTERVAL_S, RUN_LEASE_S
 from tests.campaign.workload import Rooms
@@ -47,14 +50,12 @@ def _rows(engine: Engine, sql: str, **params: Any) -> list[Any]:
 # -- the ledger ------------------------------------------------------------------------
 
 
-def ledger(engine: Engine, settings: Any, since: Any, until: Any) -> tuple[Check, Any]:
+def ledger(
+    engine: Engine, settings: Settings, since: datetime, until: datetime
+) -> tuple[Check, Verdict]:
     """Delivery, as the one ledger of the suite reads it (reaper/ledger.py): lost
     0, unexpected 0, no closing with two event ids, each deal's events in order;
     events seen twice on Kafka (at-least-once) are counted, not failed."""
-    try:
-        from reaper.ledger import Ledger  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return Check("ledger", "unknown", "reaper/ledger.py is not in this build"), None
     verdict = Ledger(settings, engine).check(since, until)
     counts = verdict.counts()
     # once every fault has healed and the cool-down has passed, no event may

@@ -141,6 +141,7 @@ def run(plan: Plan, workdir: Path | None = None, *, keep: bool = False) -> dict[
     workload: WorkloadThread | None = None
     started_at: datetime | None = None
     report: dict[str, Any] = {}
+    planted: dict[str, str] = {}
     try:
         world.start()
         assert world.engine is not None
@@ -155,7 +156,7 @@ def run(plan: Plan, workdir: Path | None = None, *, keep: bool = False) -> dict[
         for at, step, index, fault in schedule:
             if plant_at is not None and at >= plant_at:
                 _sleep_until(log, plant_at)
-                _plants(world, plan.plant, workload, log)
+                _plants(world, plan.plant, workload, log, planted)
                 plant_at = None
             _sleep_until(log, at)
             if step == "inject":
@@ -188,7 +189,7 @@ def run(plan: Plan, workdir: Path | None = None, *, keep: bool = False) -> dict[
                     log("probe", episode=fault.episode, kinds=kinds)
         if plant_at is not None:
             _sleep_until(log, plant_at)
-            _plants(world, plan.plant, workload, log)
+            _plants(world, plan.plant, workload, log, planted)
         # the last rooms written must have had time to become eligible and close
         _sleep_until(log, plan.duration_s - COOL_DOWN_S)
         workload.stop_writing.set()
@@ -213,6 +214,7 @@ def run(plan: Plan, workdir: Path | None = None, *, keep: bool = False) -> dict[
             world.close()
         log("world_closed")
     report["workdir"] = str(workdir)
+    report["planted"] = planted
     (workdir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     return report
 
@@ -243,12 +245,15 @@ def _sleep_until(log: Log, at: float) -> None:
         time.sleep(delay)
 
 
-def _plants(world: World, plants: str, workload: WorkloadThread, log: Log) -> None:
+def _plants(
+    world: World, plants: str, workload: WorkloadThread, log: Log, planted: dict[str, str]
+) -> None:
     for plant in plants.split(","):
-        _plant(world, plant, workload, log)
+        planted[plant] = _plant(world, plant, workload, log)
 
 
-def _plant(world: World, plant: str, workload: WorkloadThread, log: Log) -> None:
+def _plant(world: World, plant: str, workload: WorkloadThread, log: Log) -> str:
+    """Plant one defect; the room it concerns."""
     assert world.engine is not None
     if plant == "lost_event":
         # an event of a closed room deleted before the relay sends it: the relay
@@ -276,6 +281,7 @@ def _plant(world: World, plant: str, workload: WorkloadThread, log: Log) -> None
                 if deleted is None:
                     time.sleep(0.2)
         log("plant", plant=plant, room=room, event_id=deleted)
+        return str(room)
     elif plant == "closed_after_join":
         with world.engine.begin() as conn:
             room = conn.execute(
@@ -309,8 +315,8 @@ def _plant(world: World, plant: str, workload: WorkloadThread, log: Log) -> None
                 {"id": room},
             )
         log("plant", plant=plant, room=room)
-    else:
-        raise ValueError(f"unknown plant {plant!r}; one of {', '.join(PLANTS)}")
+        return str(room)
+    raise ValueError(f"unknown plant {plant!r}; one of {', '.join(PLANTS)}")
 
 
 def _check(
@@ -326,7 +332,7 @@ def _check(
     from reaper.config import Settings
 
     engine = world.engine
-    assert engine is not None
+    assert engine is not None and started_at is not None
     with engine.connect() as conn:
         until = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
     settings = Settings(
@@ -347,10 +353,7 @@ def _check(
     if workload.error is not None:
         checks.append(inv.Check("workload", "fail", f"the workload stopped: {workload.error!r}"))
     events = output_events(world.logs())
-    redelivered = None
-    if verdict is not None:
-        redelivered = int(verdict.counts().get("redelivered", 0))
-    paths = inv.recovery_paths(engine, events, redelivered)
+    paths = inv.recovery_paths(engine, events, verdict.redelivered)
     checks.append(inv.coverage(plan.kinds(), landed, paths))
     verdicts = [c.verdict for c in checks]
     overall = "fail" if "fail" in verdicts else ("unknown" if "unknown" in verdicts else "pass")
