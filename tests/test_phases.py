@@ -423,6 +423,7 @@ def test_a_row_read_after_a_refused_batch_is_poison_only_once_refused_alone(
     the database has refused it alone (seen under load: a good room failed with its
     batch-mate's error)."""
     import reaper.cycle
+    import reaper.phases
 
     engine = refusing_database
     settings = Settings(database_url=database_url, batch_size=2, drain_lanes=1)
@@ -430,7 +431,7 @@ def test_a_row_read_after_a_refused_batch_is_poison_only_once_refused_alone(
         bad = f.conference(conn, idle=timedelta(minutes=20))["id"]
         f.refuse(conn, bad)
         good = f.conference(conn, idle=timedelta(minutes=19))["id"]
-    read_again = reaper.cycle.candidates
+    read_again = reaper.phases.candidates
     calls = []
 
     def another_lane_took_the_bad_row(*args, **kwargs):
