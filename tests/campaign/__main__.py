@@ -8,6 +8,7 @@ import argparse
 import json
 import random
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -47,7 +48,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SIGTERM (timeout, a CI that gives up) ends the run through its finally
+    # blocks: every fault healed, every process and iptables rule gone
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = parse(sys.argv[1:] if argv is None else argv)
     kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
     unknown = sorted(set(kinds) - set(KINDS))
