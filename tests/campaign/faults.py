@@ -161,7 +161,7 @@ def wait_for(find: Callable[[], Any], what: str) -> Any:
             found = find()
             if found:
                 return found
-        time.sleep(0.05)
+        time.sleep(0.01)  # a relay pass holds its lock for tens of milliseconds
     raise Missed(f"no {what} within {FIND_S:g}s")
 
 
