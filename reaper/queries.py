@@ -709,3 +709,7 @@ class Queries:
             reason=reason,
             operator=operator,
         ).one()
+
+    def may_republish(self) -> ResultRow:
+        """``login``, ``allowed``: may this login run messenger.republish_outbox."""
+        return _run(self.conn, "may_republish").one()

@@ -1253,3 +1253,12 @@ SELECT p.event_id::text AS event_id, p.conference_id::text AS conference_id,
        p.deal_id::text AS deal_id, p.end_reason, p.ended_at, p.republished_at,
        p.republished_by, p.republished_login, p.reason
 FROM messenger.republish_outbox(CAST(:conference_id AS uuid), :topic, :reason, :operator) p;
+
+-- name: may_republish
+-- reaper reconcile --republish asks first, before reading anything: may this
+-- login put a lost event back (EXECUTE on the 0014 function is the operator
+-- role's only)? to_regprocedure: NULL before 0014 (this release needs it).
+SELECT session_user AS login,
+       coalesce(has_function_privilege(
+           to_regprocedure('messenger.republish_outbox(uuid, text, text, text)'), 'EXECUTE'),
+           false) AS allowed;
