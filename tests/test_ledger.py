@@ -8,11 +8,12 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from reaper.clock import rfc3339
 from reaper.cycle import Reaper
-from reaper.ledger import Closing, Ledger, Pending, Push, Record, judge
+from reaper.ledger import Closing, Ledger, Pending, Push, Record, judge, moment, parse_moment
 from tests.support import factory as f
 from tests.support.factory import T0
 
@@ -297,4 +298,21 @@ OLD_VIOLATIONS = text(
         OR (s.status IN ('Active', 'Provisioning') AND i.n IS NULL AND r.n IS NULL))
     """
 )
-_ = UTC
+
+
+def test_since_and_until_take_a_moment_or_a_duration_ago():
+    now = datetime(2026, 12, 3, 6, 0, tzinfo=UTC)
+    for given, meant in (
+        ("2h", now - timedelta(hours=2)),
+        ("30m", now - timedelta(minutes=30)),
+        ("1d", now - timedelta(days=1)),
+        ("1h30m", now - timedelta(minutes=90)),
+        ("45s", now - timedelta(seconds=45)),
+        ("2026-12-02T22:00:00Z", datetime(2026, 12, 2, 22, tzinfo=UTC)),
+        ("2026-12-02T22:00:00", datetime(2026, 12, 2, 22, tzinfo=UTC)),  # UTC without offset
+        ("2026-12-02T23:00:00+01:00", datetime(2026, 12, 2, 22, tzinfo=UTC)),
+    ):
+        assert moment(parse_moment(given), now) == meant, given
+    for bad in ("", "2", "h", "-2h", "0m", "yesterday", "2h30"):
+        with pytest.raises(ValueError):
+            parse_moment(bad)

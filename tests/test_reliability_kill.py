@@ -35,7 +35,7 @@ from tests.support import services
 from tests.support.activity import BATCH_RUNNING, BATCH_TEXT
 from tests.support.factory import T0
 from tests.support.figures import figure
-from tests.support.invariants import audit_engine
+from tests.support.ledger import assert_clean, books, tally
 from tests.support.processes import Worker
 
 # A batch lasts milliseconds: poll fast enough to catch one in flight.
@@ -147,7 +147,7 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
     kills = in_batch = in_xact = exited_first = 0
     lock_waits: list[float] = []
     drained_per_run: list[int] = []
-    before = audit_engine(db)
+    before = tally(db)
     # every read of pg_stat_activity fresh (its snapshot lasts a transaction), on one
     # connection: a batch lasts milliseconds, a new connection a few
     watch = db.connect().execution_options(isolation_level="AUTOCOMMIT")
@@ -179,29 +179,29 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
         if finished:  # it finished first: not a kill
             exited_first += 1
             assert proc.returncode == 0, log.read_text()
-            if audit_engine(db).live == 0:  # it drained the rest: a backlog to kill in
+            if tally(db).live == 0:  # it drained the rest: a backlog to kill in
                 seed_backlog(db, empty=3000, provisioning=0, stale=0)
                 total += 3000
-            before = audit_engine(db)  # what a finished run drained is no killed run's
+            before = tally(db)  # what a finished run drained is no killed run's
             continue
         kills += 1
         in_batch += at_kill.in_batch > 0
         in_xact += at_kill.in_xact > 0
         lock_waits.append(settle(db))
-        after = audit_engine(db)
-        after.assert_clean()  # no half batch, nothing twice
+        assert_clean(db)  # nothing lost, no half batch, nothing twice
+        after = tally(db)
         drained_per_run.append(before.live - after.live)
         before = after
         if after.live == 0:
             seed_backlog(db, empty=3000, provisioning=0, stale=0)  # keep a backlog to kill in
             total += 3000
-            before = audit_engine(db)
+            before = tally(db)
     watch.close()
     # the kills did land inside batches: a transaction open with claimed rows
     assert in_batch == KILLS, f"{in_batch} of {kills} kills landed mid-batch"
 
     runs = 0
-    while audit_engine(db).live and runs < 20:  # recovery: plain runs drain the rest
+    while tally(db).live and runs < 20:  # recovery: plain runs drain the rest
         runs += 1
         done = subprocess.run(
             [REAPER, "reap", "--once", "--json", "--as-of", rfc3339(T0)],
@@ -210,10 +210,10 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
             timeout=60,
         )
         assert done.returncode == 0, done.stderr[-2000:]
-    final = audit_engine(db)
-    final.assert_clean()
-    assert final.live == 0 and final.ended + final.failed == total
-    assert final.integration == final.ended and final.realtime == total
+    final = books(db)
+    verdict = final.assert_clean()
+    assert final.tally.live == 0 and final.tally.ended + final.tally.failed == total
+    assert final.tally.integration == final.tally.ended and final.tally.realtime == total
     assert max(lock_waits) < LOCK_TTL
     figure(
         f"kill -9 of reap --once: {kills} kills ({in_batch} mid-batch: a batch's "
@@ -221,7 +221,8 @@ def test_kill_9_mid_batch_10_times(db, tmp_path):
         f"signal; {exited_first} runs finished first), backlog {total} rooms, rows per "
         f"killed run {min(drained_per_run)}..{max(drained_per_run)}, lock free after "
         f"max {max(lock_waits):.3f}s (TTL {LOCK_TTL}s), {runs} recovery runs; "
-        f"lost 0, duplicated 0, half batches 0"
+        f"lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)} (the ledger), "
+        "half batches 0"
     )
 
 
@@ -293,14 +294,14 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path):
     victims: list[int] = []
     waits: list[float] = []
     try:
-        while kills < 5 and audit_engine(db).live:
+        while kills < 5 and tally(db).live:
             owner: list[int] = []
 
             def found(owner: list[int] = owner) -> bool:
                 pid = batch_owner(db)
                 if pid is not None:
                     owner.append(pid)
-                return bool(owner) or not audit_engine(db).live
+                return bool(owner) or not tally(db).live
 
             wait_until(found, 30, "a batch running in a worker child")
             if not owner:
@@ -325,17 +326,18 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path):
                 "sessions gone",
             )
             waits.append(gone)
-            audit_engine(db).assert_clean()
-        wait_until(lambda: audit_engine(db).live == 0, 90, "backlog drained by the worker")
+            assert_clean(db)
+        wait_until(lambda: tally(db).live == 0, 90, "backlog drained by the worker")
     finally:
         worker.stop()
-    final = audit_engine(db)
-    final.assert_clean()
-    assert final.ended == 6000 and final.integration == 6000
+    final = books(db)
+    verdict = final.assert_clean()
+    assert final.tally.ended == 6000 and final.tally.integration == 6000
     assert kills == 5, f"only {kills} kills landed in a batch"
     assert worker.output().count("exited with 'signal 9 (SIGKILL)'") == kills
     figure(
         f"kill -9 of worker children: {kills} kills inside a batch statement, "
         f"their sessions (and locks) gone after max {max(waits):.3f}s, 6000 rooms "
-        f"drained by later ticks without a restart by hand; lost 0, duplicated 0"
+        f"drained by later ticks without a restart by hand; lost {len(verdict.lost)}, "
+        f"duplicated {len(verdict.duplicated)} (the ledger)"
     )
