@@ -32,6 +32,9 @@ RECOVERY_BOUNDS: dict[str, float] = {
     "cut_postgres": 15.0,
     "cut_redis": 15.0,
     "cut_kafka": 15.0,
+    # the broker's answers dropped (a one-way partition): the records land,
+    # the relay never hears so, and sends them again once the answers pass
+    "drop_kafka_answers": 15.0,
     # a crash of the server: every session gone, the pools reconnect
     "restart_postgres": 15.0,
     "restart_redis": 15.0,

@@ -280,6 +280,20 @@ def _uncut(world: World, fault: Injected) -> None:
     world.proxies[fault.kind.removeprefix("cut_")].heal()
 
 
+def _drop_kafka_answers(world: World, target: str) -> Injected:
+    aimed = aim(world, "relay")
+    n = world.proxies["kafka"].drop_answers()
+    return Injected(
+        "drop_kafka_answers",
+        "",
+        f"iptables DROP of the broker's answers on {n} open connections, {aimed}",
+    )
+
+
+def _undrop_kafka_answers(world: World, fault: Injected) -> None:
+    world.proxies["kafka"].heal()
+
+
 def _restart_postgres(world: World, target: str) -> Injected:
     assert world.pg is not None
     world.pg.stop("immediate")  # a crash: no goodbye to any client
@@ -369,6 +383,7 @@ INJECT: dict[str, Callable[[World, str], Injected]] = {
     "cut_postgres": _cut("postgres"),
     "cut_redis": _cut("redis"),
     "cut_kafka": _cut("kafka"),
+    "drop_kafka_answers": _drop_kafka_answers,
     "restart_postgres": _restart_postgres,
     "restart_redis": _restart_redis,
     "terminate_lock_session": _terminate_lock_session,
@@ -396,6 +411,7 @@ HEAL: dict[str, Callable[[World, Injected], None]] = {
     "cut_postgres": _uncut,
     "cut_redis": _uncut,
     "cut_kafka": _uncut,
+    "drop_kafka_answers": _undrop_kafka_answers,
     "restart_postgres": _start_postgres,
     "restart_redis": _start_redis,
     "terminate_lock_session": _nothing,

@@ -203,6 +203,28 @@ class Proxy:
             cut += 1
         return cut
 
+    def drop_answers(self) -> int:
+        """Drop only what the service sends on the connections open now (its
+        answers and its acknowledgements): requests still arrive and are acted
+        on, but the client never hears back, as in a one-way partition. Returns
+        how many connections it hit; heal() undoes it like a cut."""
+        hit = 0
+        for link in self.open_links():
+            if link.cut:
+                continue
+            try:
+                relay_port, service_port = (
+                    link.upstream.getsockname()[1],
+                    link.upstream.getpeername()[1],
+                )
+            except OSError:  # it closed meanwhile
+                continue
+            self._ruled = True
+            _iptables("-I", *self._rule(service_port, relay_port))
+            link.cut = True
+            hit += 1
+        return hit
+
     def _rule(self, sport: int, dport: int) -> list[str]:
         return [
             "INPUT",
