@@ -54,6 +54,7 @@ from reaper.phases import (
     Phase,
     Shortest,
     candidates,
+    cutoffs,
     mass_closure,
     reap_batch,
     tenant_windows,
@@ -292,9 +293,10 @@ class Reaper:
         settings = self.settings
         with transaction(self.engine, budgets.batch(self.settings)) as queries:
             queries.census_planner()
-            eligible = queries.stale_live_eligible(
+            eligible = queries.guard_eligible(
+                phase=phase,
                 as_of=run.as_of,
-                cutoff=phase.cutoff(self.settings, run.as_of),
+                bounds=cutoffs(self.settings, run.as_of),
                 excluded=run.excluded_now(),
             )
             # Counting every live room costs what the live rooms cost: only when it can matter.

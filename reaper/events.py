@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypedDict, TypeVar
@@ -448,12 +448,11 @@ class ControlResumed:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlPolicySet:
-    """A tenant's windows as stored after ``reaper policy set`` (None: the default)."""
+    """A tenant's windows as stored after ``reaper policy set``: every phase's, by
+    the Settings field of its default (``empty_room_grace``, ...; None: the default)."""
 
     tenant_id: str
-    empty_room_grace: timedelta | None = None
-    provision_timeout: timedelta | None = None
-    stale_live_timeout: timedelta | None = None
+    windows: Mapping[str, timedelta | None]
     updated_at: datetime
     updated_by: str
 
@@ -463,10 +462,7 @@ class ControlPolicyUnset:
     """A tenant's policy removed: its conferences get the defaults again."""
 
     tenant_id: str
-    # the windows it had
-    empty_room_grace: timedelta | None = None
-    provision_timeout: timedelta | None = None
-    stale_live_timeout: timedelta | None = None
+    windows: Mapping[str, timedelta | None]  # the windows it had, as ControlPolicySet's
     unset_by: str
 
 
