@@ -324,6 +324,19 @@ class PhaseMassClosure:
     allowed: bool  # the operator's one-run override
 
 
+@logged("phase.unknown", logging.WARNING, fields=("run_id", "phase", "known"), logger="cycle")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseUnknown:
+    """A cycle's chain named a phase this release does not know (a newer
+    release's, during a rolling deploy): this worker went on with the chain
+    without it, and the run records it (reaper_runs.unknown_phases). Told once
+    per phase by each process."""
+
+    run_id: str
+    phase: str
+    known: tuple[str, ...]  # the phases this release knows, in their order
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseCompleted:
     run_id: str

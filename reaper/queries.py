@@ -431,6 +431,9 @@ class Queries:
             errors=errors,
         ).rowcount
 
+    def record_unknown_phase(self, run_id: str, phase: str) -> int:
+        return _run(self.conn, "record_unknown_phase", run_id=run_id, phase=phase).rowcount
+
     def count_run_error(self, run_id: str) -> int:
         return _run(self.conn, "count_run_error", run_id=run_id).rowcount
 

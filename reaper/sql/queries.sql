@@ -229,6 +229,14 @@ SET counts = CAST(:counts AS jsonb),
     errors = :errors
 WHERE run_id = :run_id;
 
+-- name: record_unknown_phase
+-- A phase the run's chain named that this worker does not know (a newer
+-- release's, in a rolling deploy): the worker went on without it. Once per
+-- phase in the run's row.
+UPDATE messenger.reaper_runs
+SET unknown_phases = array_append(unknown_phases, CAST(:phase AS text))
+WHERE run_id = :run_id AND NOT (CAST(:phase AS text) = ANY (unknown_phases));
+
 -- name: count_run_error
 UPDATE messenger.reaper_runs SET errors = errors + 1
 WHERE run_id = :run_id AND finished_at IS NULL;
