@@ -24,7 +24,8 @@ walking them would slow the baseline, not the relay. Measured in the bench's own
 process instead (until 6 December), after its in-process drains, kafka-python
 alone sent 50,000 events at 12,910-14,460 events/s where a process of its own
 sends them at 21,665-22,521; at 5,000 it ran in a warm process where the relay
-never does (docs/performance.md, "kafka-python alone in a process of its own").
+never does
+(docs/history/performance-notes.md#kafka-python-alone-in-a-process-of-its-own-6-december-late).
 """
 
 from __future__ import annotations

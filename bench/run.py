@@ -58,6 +58,8 @@ class Sizes:
     repeats: int
     e2e_rooms: int
     live_big: int  # the quiet cycle among this many live rooms, against quiet_small of them
+    # the end-to-end rooms become eligible one after another over this many seconds
+    e2e_spread_s: float = 10.0
 
 
 SIZES = {
@@ -83,7 +85,18 @@ SIZES = {
         e2e_rooms=100,
         live_big=100_000,
     ),
-    "tiny": Sizes(600, 3_000, 300, 200, 50, quiet_runs=5, repeats=1, e2e_rooms=20, live_big=3_000),
+    "tiny": Sizes(
+        600,
+        3_000,
+        300,
+        200,
+        50,
+        quiet_runs=5,
+        repeats=1,
+        e2e_rooms=20,
+        live_big=3_000,
+        e2e_spread_s=2.0,  # its 20 rooms at the full size's pace (200 over 10 s)
+    ),
 }
 
 
@@ -412,10 +425,10 @@ def relay_figures(url: str, sizes: Sizes, raw: dict, drain_b100: float | None) -
     return rows
 
 
-def e2e_figures(url: str, workdir: Path, raw: dict, rooms: int) -> list[Row]:
+def e2e_figures(url: str, workdir: Path, raw: dict, rooms: int, spread_s: float) -> list[Row]:
     seed.clear_eligible(url)  # no pending outbox rows from the drains
     interval = 2.0
-    result = e2e.run(url, workdir, rooms=rooms, interval_s=interval, spread_s=10.0)
+    result = e2e.run(url, workdir, rooms=rooms, interval_s=interval, spread_s=spread_s)
     raw["e2e"] = result
     say(f"end to end: {result}")
     p99 = Row(
@@ -507,9 +520,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--sustained: the same incidents again with 0.3.0's marking relay, as a baseline",
     )
+    parser.add_argument(
+        "--incidents",
+        type=int,
+        default=sustained.INCIDENTS,
+        help=f"--sustained: incidents before the held ones (default {sustained.INCIDENTS};"
+        " fewer only to smoke-test the run)",
+    )
+    parser.add_argument(
+        "--held",
+        type=int,
+        default=sustained.HELD_INCIDENTS,
+        help=f"--sustained: incidents with a snapshot held (default {sustained.HELD_INCIDENTS})",
+    )
     args = parser.parse_args(argv)
     if not args.database.startswith("reaper_bench"):
         parser.error("--database must start with reaper_bench (it is dropped and re-created)")
+    if args.incidents < 1 or args.held < 0:
+        parser.error("--incidents is at least 1, --held at least 0")
     size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
     sizes = SIZES[size_name]
     if args.sustained:
@@ -526,10 +554,16 @@ def main(argv: list[str] | None = None) -> int:
             baseline_marking=args.baseline_marking,
             drop=args.drop,
             say=say,
+            normal=args.incidents,
+            held=args.held,
         )
         return 0
-    if args.rooms or args.vacuum_between or args.baseline_marking:
-        parser.error("--rooms, --vacuum-between and --baseline-marking go with --sustained")
+    counts = (args.incidents, args.held) != (sustained.INCIDENTS, sustained.HELD_INCIDENTS)
+    if args.rooms or args.vacuum_between or args.baseline_marking or counts:
+        parser.error(
+            "--rooms, --vacuum-between, --baseline-marking, --incidents and --held go with"
+            " --sustained"
+        )
     only = set(args.only.split(","))
     big_url = f"{PG}/{args.database}"
     small_url = f"{PG}/{args.database}_quiet"
@@ -582,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
         if "incident" in only:
             rows.append(incident_figure(big_url, sizes, workdir, raw, args.charts).settle())
         if "e2e" in only:
-            rows += e2e_figures(big_url, workdir, raw, rooms=sizes.e2e_rooms)
+            rows += e2e_figures(
+                big_url, workdir, raw, rooms=sizes.e2e_rooms, spread_s=sizes.e2e_spread_s
+            )
     finally:
         if args.drop:
             seed.drop(big_url)

@@ -180,3 +180,28 @@ HEALTH = timedelta(seconds=2)
 
 def health(settings: Settings) -> Budget:
     return Budget(idle=HEALTH, statement=HEALTH, peer=peer(settings))
+
+
+# The ledger (reaper/ledger.py, reaper reconcile). Its reads are an operator's,
+# over a window of hours: the rooms closed in it (by the partial index of reaped
+# rooms) and the pending outbox, a few seconds for 50,000 rooms; a minute is far
+# above that, and still ends a read stuck behind a lock or a silent server.
+LEDGER_READ = timedelta(seconds=60)
+# Kafka's records are read from this long before the window's start: a record's
+# timestamp is its producer's clock when it was sent, after the commit that
+# closed its room (whose ended_at is the database's clock); this covers a
+# producer host's clock running behind the database's.
+LEDGER_KAFKA_SLACK = timedelta(minutes=5)
+# The whole read of the topic, metadata to the end offsets it began with: a
+# broker that stops answering midway fails the check (no verdict on delivery)
+# instead of hanging it. A night's events of a busy deployment are read in
+# seconds; several Kafka timeouts on top cover a slow metadata answer.
+LEDGER_KAFKA_READ = timedelta(minutes=2)
+
+
+def ledger_read(settings: Settings) -> Budget:
+    return Budget(idle=QUICK, statement=LEDGER_READ, peer=peer(settings))
+
+
+def ledger_kafka_read(settings: Settings) -> timedelta:
+    return LEDGER_KAFKA_READ + 3 * settings.kafka_timeout

@@ -415,6 +415,130 @@ def cmd_outbox_discard(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+# reaper reconcile's exit statuses (docs/delivery.md#exit-statuses), beside 1 (the
+# database failed or refused), 2 (usage) and 3 (the schema, release.EXIT_SCHEMA).
+EXIT_NOT_CLEAN = 4  # the ledger found something lost, unexpected, duplicated, ...
+EXIT_KAFKA = 5  # the topic could not be read: no verdict on delivery
+
+
+def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
+    """The ledger over the rooms closed in [--since, --until) (docs/delivery.md)."""
+    from sqlalchemy.exc import DBAPIError
+
+    from reaper import budgets
+    from reaper.control import operator
+    from reaper.db import engine_of, transaction
+    from reaper.errors import sqlstate
+    from reaper.ledger import KafkaUnreadable, Ledger, lost_rooms, moment, parse_moment
+
+    try:
+        since_arg = parse_moment(args.since)
+    except ValueError as exc:
+        return _refuse(f"--since: {exc}")
+    try:
+        until_arg = parse_moment(args.until) if args.until else None
+    except ValueError as exc:
+        return _refuse(f"--until: {exc}")
+    if args.reason is not None and not args.reason.strip():
+        return _refuse("--reason: a republish needs a reason")
+    engine = engine_of(settings)
+    with transaction(engine, budgets.quick(settings)) as queries:
+        now = queries.database_clock()
+        may = queries.may_republish() if args.republish else None
+    if may is not None and not may.allowed:
+        print(
+            f"reaper: --republish: login {may.login} may not put events back "
+            "(messenger.republish_outbox is the reaper_operator role's only); "
+            "run it as an operator login, or without --republish to only check",
+            file=sys.stderr,
+        )
+        return 1
+    since = moment(since_arg, now)
+    until = moment(until_arg, now) if until_arg is not None else now
+    if since >= until:
+        return _refuse(f"--since {args.since} is not before --until ({until.isoformat()})")
+    try:
+        verdict = Ledger(settings, engine).check(since, until)
+    except KafkaUnreadable as exc:
+        print(f"reaper: Kafka could not be read, no verdict on delivery: {exc}", file=sys.stderr)
+        return EXIT_KAFKA
+    logger = logs.get_logger("reconcile")
+    for found in verdict.lost:
+        logs.log(
+            logger,
+            "reconcile.lost",
+            level=logging.WARNING,
+            conference_id=found.conference_id,
+            deal_id=found.deal_id,
+            end_reason=found.end_reason,
+        )
+    counts = verdict.counts()
+    logs.log(
+        logger,
+        "reconcile.checked",
+        level=logging.INFO if verdict.ok else logging.WARNING,
+        since=verdict.to_json()["since"],
+        until=verdict.to_json()["until"],
+        ok=verdict.ok,
+        **counts,
+    )
+    republished: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+    if args.republish:
+        reason = (args.reason or "").strip() or (
+            f"reaper reconcile --republish: lost between {verdict.to_json()['since']} "
+            f"and {verdict.to_json()['until']}"
+        )
+        for found in lost_rooms(verdict):
+            assert found.conference_id is not None  # a lost room is a room
+            try:
+                with transaction(engine, budgets.quick(settings)) as queries:
+                    row = queries.republish_outbox(
+                        found.conference_id,
+                        settings.conference_ended_topic,
+                        reason,
+                        operator(settings),
+                    )
+            except DBAPIError as exc:
+                if sqlstate(exc) not in ("55000", "P0002"):
+                    raise
+                refused.append({"conference_id": found.conference_id, "why": str(exc.orig)})
+                continue
+            done = {
+                "conference_id": row.conference_id,
+                "deal_id": row.deal_id,
+                "event_id": row.event_id,
+                "end_reason": row.end_reason,
+            }
+            republished.append(done)
+            logs.log(
+                logger,
+                "reconcile.republished",
+                level=logging.WARNING,
+                by=row.republished_by,
+                login=row.republished_login,
+                reason=row.reason,
+                **done,
+            )
+    if args.json:
+        data = verdict.to_json()
+        if args.republish:
+            data["republished"] = republished
+            data["republish_refused"] = refused
+        print(json.dumps(data, sort_keys=True))
+    else:
+        for line in verdict.summary():
+            print(line)
+        for done in republished:
+            print(
+                f"republished conference {done['conference_id']} (deal {done['deal_id']}) "
+                f"as event {done['event_id']}: the relay sends it"
+            )
+        for no in refused:
+            print(f"not republished: conference {no['conference_id']}: {no['why'].strip()}")
+    return 0 if verdict.ok else EXIT_NOT_CLEAN
+
+
 def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
     """A named statement as the query class sends it: its includes expanded,
     compiled for the configured database's driver, so its parameters are in the
@@ -566,6 +690,25 @@ def build_parser() -> argparse.ArgumentParser:
     discard.add_argument("--event-id", required=True, help="the parked row, by its eventId")
     discard.add_argument("--reason", required=True, help="why (kept with the row, logged)")
     discard.set_defaults(handler=cmd_outbox_discard)
+
+    reconcile = sub.add_parser(
+        "reconcile",
+        help="the rooms closed in a window against the conference-ended events on Kafka "
+        "(docs/delivery.md); changes nothing unless --republish",
+    )
+    reconcile.add_argument(
+        "--since", required=True, help="a moment (RFC 3339) or a duration ago: 2h, 30m, 1d"
+    )
+    reconcile.add_argument("--until", help="as --since; default: now, by the database's clock")
+    reconcile.add_argument("--json", action="store_true", help="print JSON")
+    reconcile.add_argument(
+        "--republish",
+        action="store_true",
+        help="put each lost event of a room the reaper ended back into the outbox "
+        "(an operator login only)",
+    )
+    reconcile.add_argument("--reason", help="why, kept with each event put back (--republish)")
+    reconcile.set_defaults(handler=cmd_reconcile)
 
     sql = sub.add_parser(
         "sql", help="a named statement, includes expanded, as the reaper sends it; its parameters"

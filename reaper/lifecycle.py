@@ -160,7 +160,8 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         # What start-up built (modules, the app, settings) lives as long as the
         # process: out of the garbage collector's sight, so a full collection in
         # the middle of a pass does not walk all of it (80 ms in a relay pass of
-        # 5,000 events: docs/performance.md, "The relay's own Python per event").
+        # 5,000 events:
+        # docs/history/performance-notes.md#the-relays-own-python-per-event-6-december-night).
         # Before the fork: the children's collections skip these pages too. Not
         # for a solo or threads pool (a test's in-process worker: the process
         # and its objects are the test's).

@@ -9,8 +9,9 @@ docs/design.md#log-events lists each one; tests/test_docs.py reads every call
 of :func:`log` and every declaration and holds that list to them.
 
 A drain logs one line per reaped room, thousands a second beside PostgreSQL on
-the same cores, so the path is kept short (docs/performance.md): the record is
-made without looking up the caller (the event name says where it comes from),
+the same cores, so the path is kept short
+(docs/history/performance-notes.md#what-the-profile-showed-and-what-changed): the record
+is made without looking up the caller (the event name says where it comes from),
 the plain message is built only if a handler renders it, and the line is
 encoded by orjson with the timestamp's second formatted once.
 """

@@ -7,7 +7,7 @@ Left to kafka-python, each record's partition is chosen by its
 topic's partitions, about 9.5 µs a record here, a sixth of what the relay's
 process spends per event, all of it on the sending thread. Hashed here with numpy,
 a claimed batch's keys cost about 0.2 µs each, on the claimer's thread
-(docs/performance.md, "Partitions chosen a batch at a time").
+(docs/history/performance-notes.md#partitions-chosen-a-batch-at-a-time-7-december).
 
 The choice must stay exactly kafka-python's (and the Java client's): murmur2 of
 the key's bytes with Kafka's seed, its sign bit cleared, modulo the number of

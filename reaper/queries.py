@@ -76,7 +76,8 @@ class OutboxRow(NamedTuple):
     """A claimed outbox row, as the relay sends it (``claim_outbox_batch``'s
     columns, in their order). A plain tuple, not a SQLAlchemy Row: the relay reads
     a row's fields several times per event, and a Row's attribute access costs
-    ten times a tuple's (docs/performance.md, "The relay's own Python per event")."""
+    ten times a tuple's
+    (docs/history/performance-notes.md#the-relays-own-python-per-event-6-december-night)."""
 
     id: int
     event_id: str
@@ -807,3 +808,40 @@ class Queries:
     def activity_ahead(self, now: datetime, ahead_of: datetime, limit: int) -> list[ResultRow]:
         """Those conferences, the furthest ahead first (reaper plan)."""
         return list(_run(self.conn, "activity_ahead", now=now, ahead_of=ahead_of, limit=limit))
+
+    # -- the ledger (reaper/ledger.py, docs/delivery.md) --------------------------
+
+    def ledger_closings(self, since: datetime, until: datetime) -> list[ResultRow]:
+        return list(_run(self.conn, "ledger_closings", since=since, until=until))
+
+    def ledger_pending(self) -> list[ResultRow]:
+        return list(_run(self.conn, "ledger_pending"))
+
+    def ledger_pushes(self, since: datetime, until: datetime) -> list[ResultRow]:
+        return list(_run(self.conn, "ledger_pushes", since=since, until=until))
+
+    def ledger_discarded(self, since: datetime, until: datetime) -> list[str]:
+        return list(_run(self.conn, "ledger_discarded", since=since, until=until).scalars())
+
+    def ledger_republished(self, since: datetime, until: datetime) -> list[str]:
+        return list(_run(self.conn, "ledger_republished", since=since, until=until).scalars())
+
+    def ledger_rooms(self, ids: Sequence[str]) -> list[ResultRow]:
+        return list(_run(self.conn, "ledger_rooms", ids=list(ids)))
+
+    def republish_outbox(
+        self, conference_id: str, topic: str, reason: str, operator: str
+    ) -> ResultRow:
+        """A lost event put back into the outbox (migration 0014); the record kept."""
+        return _run(
+            self.conn,
+            "republish_outbox",
+            conference_id=conference_id,
+            topic=topic,
+            reason=reason,
+            operator=operator,
+        ).one()
+
+    def may_republish(self) -> ResultRow:
+        """``login``, ``allowed``: may this login run messenger.republish_outbox."""
+        return _run(self.conn, "may_republish").one()

@@ -429,7 +429,8 @@ def headers(row: OutboxRow) -> list[tuple[str, bytes]]:
 
 # A batch's records share their event type and come from a few cycles: their
 # headers are built once, not per record (built per record they were a fifth of
-# the relay's own Python: docs/performance.md, "The relay's own Python per event").
+# the relay's own Python:
+# docs/history/performance-notes.md#the-relays-own-python-per-event-6-december-night).
 @lru_cache(maxsize=256)
 def _shared_headers(
     event_type: str | None, correlation_id: str | None

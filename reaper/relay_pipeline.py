@@ -115,7 +115,8 @@ def first_claim(batch_size: int) -> int:
     """A pass's first claim: an eighth of a batch. Nothing is sent until it returns
     and a claim takes time in proportion to its rows, so the pass starts small;
     each claim after it is twice the one before, up to the batch size, as a claim
-    of 2n rows takes about as long as sending n (docs/performance.md#the-claims-ramp)."""
+    of 2n rows takes about as long as sending n
+    (docs/history/performance-notes.md#the-claims-ramp)."""
     return max(1, batch_size // 8)
 
 

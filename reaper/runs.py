@@ -210,6 +210,9 @@ def unowned_result(run_id: str, as_of: datetime, *, skipped: bool) -> CycleResul
     )
 
 
+LOCK_SESSION_ENDED = "the lock session was ended (by the server or the network) during the phase"
+
+
 class RunLost(RuntimeError):
     """A batch found its run fenced off: the phase's lock session is gone (the server
     ended it, or the network did), or another cycle took the run over."""
@@ -248,17 +251,23 @@ class PhaseClaim:
         run = self.run
         counts = json.dumps(run.counts)
         try:
-            Queries(self.conn).save_run(
-                run.run_id,
-                counts=counts,
-                excluded=run.excluded,
-                blocked=run.blocked,
-                paused=run.paused,
-                errors=run.errors,
-                lease_s=self.settings.run_lease.total_seconds(),
-            )
-            self.transaction.commit()
-            return None
+            if self.heartbeat.lost.is_set():
+                # A beat found the session ended (a frozen holder woken after its
+                # lease): its failed statement left the connection unusable, and
+                # a save on it would raise instead of telling the lost lock.
+                lost = LOCK_SESSION_ENDED
+            else:
+                Queries(self.conn).save_run(
+                    run.run_id,
+                    counts=counts,
+                    excluded=run.excluded,
+                    blocked=run.blocked,
+                    paused=run.paused,
+                    errors=run.errors,
+                    lease_s=self.settings.run_lease.total_seconds(),
+                )
+                self.transaction.commit()
+                return None
         except DBAPIError as exc:
             lost = describe(exc)
         finally:

@@ -56,6 +56,7 @@ TABLES = (
     "messenger.realtime_outbox",
     "messenger.integration_outbox",
     "messenger.outbox_discards",
+    "messenger.outbox_republishes",
     "messenger.call_recordings",
     "messenger.conference_participants",
     "messenger.conference_sessions",
@@ -167,7 +168,7 @@ def pgbouncer(database_url: str) -> Iterator[PgBouncer]:
         bouncer.stop()
 
 
-# -- test layers (README "Test it") ---------------------------------------------
+# -- test layers (docs/reliability.md) -------------------------------------------
 # The fast layer is every test not marked ``process`` (nor ``soak``): pure
 # functions, config, formatting and the SQL statements against the session
 # database, in this process. ``process`` tests start processes: workers, the

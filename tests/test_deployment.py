@@ -219,7 +219,7 @@ def test_the_example_env_file_names_every_secret_and_holds_none():
     assert "# REAPER_KAFKA_SASL_PASSWORD=" in commented
 
 
-def test_the_images_default_command_is_the_compose_workers():
+def test_the_dockerfiles_cmd_is_the_compose_workers_command():
     """What the image runs by default, as the Dockerfile writes it; the image
     test (tests/test_image.py) runs it from the locked tree as the image's user."""
     [cmd] = image("CMD")
@@ -233,7 +233,7 @@ def test_the_images_default_command_is_the_compose_workers():
     assert "/healthz" in check
 
 
-def test_the_image_is_the_tree_the_image_test_builds_and_its_user_owns_one_directory():
+def test_the_dockerfile_copies_the_image_tests_tree_and_makes_its_users_one_directory():
     """The Dockerfile's text: the tree tests/test_image.py builds and runs is the
     image's (same command, same prefix, on its PATH), the user it runs as is
     that test's, and beat's schedule goes in the directory made for that user."""

@@ -35,7 +35,7 @@ from tests.support import factory as f
 from tests.support.activity import BATCH_RUNNING
 from tests.support.facts import count_events
 from tests.support.figures import figure
-from tests.support.invariants import audit_engine
+from tests.support.ledger import assert_clean
 from tests.support.netfault import Proxy, SilentServer
 from tests.support.ports import free_port
 from tests.support.processes import Worker, run_cli, wait_until
@@ -344,7 +344,7 @@ def test_every_database_connection_of_a_draining_worker_cut(direct, database_url
         with direct.begin() as conn:
             conn.execute(text(NO_SLOW_BATCH))
     assert proxy.rules() == []
-    audit_engine(direct).assert_clean()  # nothing closed twice, no half batch
+    assert_clean(direct)  # nothing closed twice, no half batch
     figure(
         f"every PostgreSQL connection of a draining worker cut silently "
         f"({connections} connections; REAPER_DATABASE_TCP_TIMEOUT=6s, REAPER_RUN_LEASE=4s, "
@@ -427,7 +427,7 @@ def test_every_redis_connection_of_the_worker_and_its_beat_cut(direct, tmp_path)
         proxy.close()
     assert proxy.rules() == []
     assert "Unrecoverable error" not in out
-    audit_engine(direct).assert_clean()
+    assert_clean(direct)
     figure(
         f"every Redis connection of worker -B cut silently ({connections} "
         f"connections; REAPER_BROKER_TCP_TIMEOUT and REAPER_BROKER_HEALTH_CHECK_INTERVAL "

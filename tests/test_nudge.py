@@ -20,6 +20,14 @@ from tests.support.facts import fields, log_records
 pytestmark = pytest.mark.fast
 
 
+# How long a held send hangs (a broker that never answers): a poke that waited
+# on the send would wait this long.
+HANG_S = 10.0
+# The pause between two requests in the burst test: long beside the test's own
+# steps (microseconds), even on a CPU shared with the test beside it.
+PAUSE_S = 1.0
+
+
 class Sends:
     """A ``send`` that counts its calls and can be held."""
 
@@ -30,7 +38,7 @@ class Sends:
         self.release.set()
 
     def __call__(self) -> None:
-        self.release.wait(10)
+        self.release.wait(HANG_S)
         self.count += 1
         self.sent.set()
 
@@ -46,16 +54,16 @@ def wait_for(predicate: Any, timeout: float = 5.0) -> bool:
 
 def test_a_burst_of_pokes_sends_one_request_then_one_more_after_the_pause() -> None:
     sends = Sends()
-    nudge = Nudge(sends, every=0.3)
+    nudge = Nudge(sends, every=PAUSE_S)
     for _ in range(50):
         nudge.poke()
     assert wait_for(lambda: sends.count == 1)
     for _ in range(50):  # inside the pause: gathered into the next request
         nudge.poke()
-    time.sleep(0.1)
+    time.sleep(PAUSE_S / 10)
     assert sends.count == 1
     assert wait_for(lambda: sends.count == 2)
-    time.sleep(0.5)  # nothing poked since: nothing sent
+    time.sleep(PAUSE_S * 1.5)  # nothing poked since: nothing sent, even after a pause
     assert sends.count == 2
 
 
@@ -67,7 +75,7 @@ def test_a_poke_never_waits_for_a_send_that_hangs() -> None:
     started = time.monotonic()
     for _ in range(1000):
         nudge.poke()
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < HANG_S / 2  # none waited for the hanging send
     assert sends.count == 0
     sends.release.set()
     assert wait_for(lambda: sends.count >= 1)

@@ -7,7 +7,7 @@ rows. Without statistics the planner rates every ``IS NULL`` as rare, so every
 index of the pending rows looks equally cheap; a per-key probe that walks
 ``ix_integration_outbox_pending`` (id) instead of the (message_key, id) index
 then reads every earlier pending row for each candidate, and a batch of 2000
-takes seconds instead of milliseconds (docs/performance.md).
+takes seconds instead of milliseconds (docs/history/performance-notes.md).
 
 Each plan is checked twice, on the same rows: with the statistics of an empty
 table, and after ``ANALYZE``. Everything runs in one transaction that is

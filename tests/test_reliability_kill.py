@@ -1,10 +1,14 @@
-"""kill -9 inside a batch, 20 times at random points over a backlog.
+"""kill -9 inside a batch, 10 times, at random points of a batch, over a backlog.
 
-Each ``reaper reap --once`` subprocess is SIGKILLed at a random moment after
-its first batch committed. After every kill: no half-applied batch (every
-Ended/Failed row has exactly its outbox rows and every outbox row its
-transition), nothing twice, the run lock free within REAPER_LOCK_TTL; at the
-end the backlog is fully drained. A second test kills the prefork children
+Each ``reaper reap --once`` subprocess is SIGKILLed at a random moment (0-50
+ms) after one of its batch statements is seen running. The process is frozen
+(SIGSTOP) first and its sessions read: a kill counts as landed mid-batch when
+a batch's transaction was open with rows claimed (its statement ran or runs,
+its transaction holds an xid, nothing committed it) at the moment of the kill.
+The test goes on until 10 kills landed so. After every kill: no half-applied
+batch (every Ended/Failed row has exactly its outbox rows and every outbox row
+its transition), nothing twice, the run lock free within REAPER_LOCK_TTL; at
+the end the backlog is fully drained. A second test kills the prefork children
 of a real ``worker -B`` mid-cycle.
 """
 
@@ -28,10 +32,10 @@ from reaper.runs import holder
 from tests.conftest import clean
 from tests.support import factory as f
 from tests.support import services
-from tests.support.activity import BATCH_RUNNING
+from tests.support.activity import BATCH_RUNNING, BATCH_TEXT
 from tests.support.factory import T0
 from tests.support.figures import figure
-from tests.support.invariants import audit_engine
+from tests.support.ledger import assert_clean, books, tally
 from tests.support.processes import Worker
 
 # A batch lasts milliseconds: poll fast enough to catch one in flight.
@@ -39,12 +43,13 @@ wait_until = functools.partial(services.wait_until, interval=0.01)
 
 REAPER = str(Path(sys.executable).parent / "reaper")
 SOAK = os.environ.get("REAPER_SOAK") == "1"
-KILLS = int(os.environ.get("REAPER_KILLS", "100" if SOAK else "20"))
+# kills that landed mid-batch; the others (the batch had just committed) count apart
+KILLS = int(os.environ.get("REAPER_KILLS", "100" if SOAK else "10"))
 LOCK_TTL = 5.0
 ENV = {
     "REAPER_BATCH_SIZE": "25",
     "REAPER_LOCK_TTL": str(LOCK_TTL),
-    "REAPER_RUN_LEASE": "3",
+    "REAPER_RUN_LEASE": "2",  # the least: a killed run is taken over soonest
     "REAPER_MAX_RUN_DURATION": "4",
     "REAPER_MASS_CLOSURE_SHARE": "1",  # the backlog is all stale: not what this tests
 }
@@ -52,10 +57,24 @@ ENV = {
 BUSY = text(
     f"""
     SELECT count(*) FILTER (WHERE xact_start IS NOT NULL) AS in_xact,
-           count(*) FILTER (WHERE {BATCH_RUNNING}) AS in_batch
+           count(*) FILTER (WHERE {BATCH_RUNNING}) AS running,
+           -- a batch's transaction open with rows claimed: its statement (running,
+           -- or the last one of an idle transaction) is a phase batch's, and its
+           -- claim's row locks gave the transaction an xid
+           count(*) FILTER (WHERE xact_start IS NOT NULL AND backend_xid IS NOT NULL
+                            AND query LIKE '{BATCH_TEXT}') AS in_batch
     FROM pg_stat_activity
     WHERE datname = current_database() AND application_name = 'conference-room-reaper'
       AND state <> 'idle'
+    """
+)
+
+
+STATEMENTS_RUNNING = text(
+    """
+    SELECT count(*) FROM pg_stat_activity
+    WHERE datname = current_database() AND application_name = 'conference-room-reaper'
+      AND state = 'active'
     """
 )
 
@@ -121,48 +140,68 @@ def settle(engine: Engine) -> float:
 
 
 @pytest.mark.soak
-def test_kill_9_mid_batch_20_times(db, tmp_path):
+def test_kill_9_mid_batch_10_times(db, tmp_path):
     rng = random.Random(int(os.environ.get("REAPER_SEED", "5")))
     seed_backlog(db, empty=6000, provisioning=1500, stale=1500)
     total = 9000
     kills = in_batch = in_xact = exited_first = 0
     lock_waits: list[float] = []
     drained_per_run: list[int] = []
-    before = audit_engine(db)
-    while kills < KILLS:
+    before = tally(db)
+    # every read of pg_stat_activity fresh (its snapshot lasts a transaction), on one
+    # connection: a batch lasts milliseconds, a new connection a few
+    watch = db.connect().execution_options(isolation_level="AUTOCOMMIT")
+    while in_batch < KILLS and kills + exited_first < 4 * KILLS:
         log = tmp_path / f"run-{kills}-{exited_first}.log"
         proc = reap_once(log)
-        wait_until(
-            lambda log=log, proc=proc: (
-                b"batch.selected" in log.read_bytes() or proc.poll() is not None
-            ),
-            30,
-            "first batch",
-        )
-        time.sleep(rng.uniform(0, 0.3))
-        with db.connect() as conn:
-            busy = conn.execute(BUSY).one()
-        if proc.poll() is not None:  # it finished first: not a kill
+
+        def batch_running(proc: subprocess.Popen[bytes] = proc) -> bool:
+            return watch.execute(BUSY).one().running > 0 or proc.poll() is not None
+
+        wait_until(batch_running, 30, "a batch running")
+        time.sleep(rng.uniform(0, 0.005))  # a random point of that batch, or just past it
+        # Frozen, it sends nothing more: a statement in flight finishes on the
+        # server, and then what its sessions show is what the kill meets (nothing
+        # can commit what that statement claimed).
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: watch.execute(STATEMENTS_RUNNING).scalar_one() == 0,
+                LOCK_TTL,
+                "the frozen runner's statements in flight done",
+            )
+            at_kill = watch.execute(BUSY).one()
+        finally:  # never a stopped process left behind
+            finished = proc.poll() is not None
+            if not finished:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+        if finished:  # it finished first: not a kill
             exited_first += 1
             assert proc.returncode == 0, log.read_text()
+            if tally(db).live == 0:  # it drained the rest: a backlog to kill in
+                seed_backlog(db, empty=3000, provisioning=0, stale=0)
+                total += 3000
+            before = tally(db)  # what a finished run drained is no killed run's
             continue
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
         kills += 1
-        in_batch += busy.in_batch > 0
-        in_xact += busy.in_xact > 0
+        in_batch += at_kill.in_batch > 0
+        in_xact += at_kill.in_xact > 0
         lock_waits.append(settle(db))
-        after = audit_engine(db)
-        after.assert_clean()  # no half batch, nothing twice
+        assert_clean(db)  # nothing lost, no half batch, nothing twice
+        after = tally(db)
         drained_per_run.append(before.live - after.live)
         before = after
         if after.live == 0:
-            seed_backlog(db, empty=1000, provisioning=0, stale=0)  # keep a backlog to kill in
-            total += 1000
-            before = audit_engine(db)
+            seed_backlog(db, empty=3000, provisioning=0, stale=0)  # keep a backlog to kill in
+            total += 3000
+            before = tally(db)
+    watch.close()
+    # the kills did land inside batches: a transaction open with claimed rows
+    assert in_batch == KILLS, f"{in_batch} of {kills} kills landed mid-batch"
 
     runs = 0
-    while audit_engine(db).live and runs < 20:  # recovery: plain runs drain the rest
+    while tally(db).live and runs < 20:  # recovery: plain runs drain the rest
         runs += 1
         done = subprocess.run(
             [REAPER, "reap", "--once", "--json", "--as-of", rfc3339(T0)],
@@ -171,20 +210,20 @@ def test_kill_9_mid_batch_20_times(db, tmp_path):
             timeout=60,
         )
         assert done.returncode == 0, done.stderr[-2000:]
-    final = audit_engine(db)
-    final.assert_clean()
-    assert final.live == 0 and final.ended + final.failed == total
-    assert final.integration == final.ended and final.realtime == total
+    final = books(db)
+    verdict = final.assert_clean()
+    assert final.tally.live == 0 and final.tally.ended + final.tally.failed == total
+    assert final.tally.integration == final.tally.ended and final.tally.realtime == total
     assert max(lock_waits) < LOCK_TTL
     figure(
-        f"kill -9 of reap --once: {kills} kills ({in_batch} with a batch statement "
-        f"running, {in_xact} with a transaction open at the signal; {exited_first} runs "
-        f"finished first), backlog {total} rooms, rows per killed run "
-        f"{min(drained_per_run)}..{max(drained_per_run)}, lock free after "
+        f"kill -9 of reap --once: {kills} kills ({in_batch} mid-batch: a batch's "
+        f"transaction open with rows claimed; {in_xact} with a transaction open at the "
+        f"signal; {exited_first} runs finished first), backlog {total} rooms, rows per "
+        f"killed run {min(drained_per_run)}..{max(drained_per_run)}, lock free after "
         f"max {max(lock_waits):.3f}s (TTL {LOCK_TTL}s), {runs} recovery runs; "
-        f"lost 0, duplicated 0, half batches 0"
+        f"lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)} (the ledger), "
+        "half batches 0"
     )
-    assert in_xact > 0  # the kills did land inside transactions
 
 
 BATCH_CLIENT = text(
@@ -255,14 +294,14 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path):
     victims: list[int] = []
     waits: list[float] = []
     try:
-        while kills < 5 and audit_engine(db).live:
+        while kills < 5 and tally(db).live:
             owner: list[int] = []
 
             def found(owner: list[int] = owner) -> bool:
                 pid = batch_owner(db)
                 if pid is not None:
                     owner.append(pid)
-                return bool(owner) or not audit_engine(db).live
+                return bool(owner) or not tally(db).live
 
             wait_until(found, 30, "a batch running in a worker child")
             if not owner:
@@ -287,17 +326,18 @@ def test_kill_9_worker_children_mid_cycle(db, tmp_path):
                 "sessions gone",
             )
             waits.append(gone)
-            audit_engine(db).assert_clean()
-        wait_until(lambda: audit_engine(db).live == 0, 90, "backlog drained by the worker")
+            assert_clean(db)
+        wait_until(lambda: tally(db).live == 0, 90, "backlog drained by the worker")
     finally:
         worker.stop()
-    final = audit_engine(db)
-    final.assert_clean()
-    assert final.ended == 6000 and final.integration == 6000
+    final = books(db)
+    verdict = final.assert_clean()
+    assert final.tally.ended == 6000 and final.tally.integration == 6000
     assert kills == 5, f"only {kills} kills landed in a batch"
     assert worker.output().count("exited with 'signal 9 (SIGKILL)'") == kills
     figure(
         f"kill -9 of worker children: {kills} kills inside a batch statement, "
         f"their sessions (and locks) gone after max {max(waits):.3f}s, 6000 rooms "
-        f"drained by later ticks without a restart by hand; lost 0, duplicated 0"
+        f"drained by later ticks without a restart by hand; lost {len(verdict.lost)}, "
+        f"duplicated {len(verdict.duplicated)} (the ledger)"
     )

@@ -25,7 +25,7 @@ from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import log_records
 from tests.support.figures import figure
-from tests.support.invariants import audit_engine
+from tests.support.ledger import assert_clean
 
 STALE = {"idle": timedelta(hours=5), "age": timedelta(hours=6), "participants": 2}
 EMPTY = {"idle": timedelta(minutes=5)}
@@ -172,7 +172,7 @@ def test_anomalies_are_closed_and_only_refused_rows_are_poison(
         assert payloads[conference_id]["durationSeconds"] is None
     assert all(durations[i] is not None for i in [*odd, *good])
     assert big == 0  # every roster row closed, the 2000-row one included
-    audit_engine(engine).assert_clean()
+    assert_clean(engine)
     figure(
         f"{phase} batch={batch_size}: {len(anomalies)} anomaly kinds closed "
         f"with a null duration ({sorted(set(flagged.values()) or set(anomalies.values()))}); "
@@ -194,4 +194,4 @@ def test_provisioning_oddities_fail_cleanly(settings, engine, caplog):
     result = Reaper(settings, engine=engine).run_cycle(T0)
     assert result["provision_failed_count"] == 3 and result["failed_count"] == 0
     assert not log_records(caplog, "phase.failed")
-    audit_engine(engine).assert_clean()
+    assert_clean(engine)

@@ -31,7 +31,7 @@ from reaper.cycle import Reaper
 from tests.conftest import clean
 from tests.support import factory as f
 from tests.support.figures import figure
-from tests.support.invariants import audit
+from tests.support.ledger import assert_clean
 
 SOAK = os.environ.get("REAPER_SOAK") == "1"
 SCHEDULES = 400 if SOAK else 40
@@ -86,7 +86,7 @@ END = text(
             updated_at = clock_timestamp(), active_participant_count = 0,
             duration_seconds = floor(extract(epoch FROM clock_timestamp() - started_at))::int
         WHERE id = :id AND status = 'Active'
-        RETURNING id, chat_id, deal_id
+        RETURNING id, chat_id, deal_id, ended_at
     ), p AS (
         UPDATE messenger.conference_participants SET left_at = clock_timestamp()
         WHERE conference_id = :id AND left_at IS NULL RETURNING id, left_at
@@ -94,10 +94,12 @@ END = text(
         INSERT INTO race_audit (participant_id, action, at) SELECT id, 'end', left_at FROM p
     ), i AS (
         INSERT INTO messenger.integration_outbox (event_id, topic, message_key, payload)
-        SELECT gen_random_uuid(), 'pin.messenger.conference-ended.v1', s.deal_id::text,
-               jsonb_build_object('payload', jsonb_build_object(
-                   'conferenceId', s.id, 'endReason', 'Normal'))
-        FROM s
+        SELECT e.id, 'pin.messenger.conference-ended.v1', s.deal_id::text,
+               -- the fields the ledger compares with the room (reaper/ledger.py)
+               jsonb_build_object('eventId', e.id, 'payload', jsonb_build_object(
+                   'conferenceId', s.id, 'dealId', s.deal_id, 'status', 'Ended',
+                   'endReason', 'Normal', 'endedAt', messenger.rfc3339(s.ended_at)))
+        FROM s CROSS JOIN (SELECT gen_random_uuid() AS id) e
     )
     INSERT INTO messenger.realtime_outbox
         (kind, target_kind, chat_id, session_kind, conference_id, payload)
@@ -268,7 +270,7 @@ def test_race_with_users(db, database_url):
             assert late == [], f"schedule {schedule}: {late}"
             assert conn.execute(COUNT_DRIFT).all() == [], f"schedule {schedule}"
             assert conn.execute(JOINED_AFTER_END).all() == [], f"schedule {schedule}"
-            audit(conn).assert_clean()
+            assert_clean(db)
             ended = conn.execute(
                 text(
                     "SELECT end_reason, count(*) FROM messenger.conference_sessions"

@@ -39,6 +39,7 @@ TABLES = (
     "reaper_tenant_windows",
     "reaper_migrations",
     "outbox_discards",
+    "outbox_republishes",
 )
 PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 OPERATOR_TABLE_PRIVILEGES: dict[str, set[str]] = {
@@ -46,7 +47,8 @@ OPERATOR_TABLE_PRIVILEGES: dict[str, set[str]] = {
     "conference_participants": set(),
     "call_recordings": set(),
     "integration_outbox": {"SELECT"},
-    "realtime_outbox": set(),
+    # the ledger of reaper reconcile checks each closing's push row (0014)
+    "realtime_outbox": {"SELECT"},
     "reaper_runs": {"SELECT"},
     "reaper_pauses": {"SELECT", "INSERT", "UPDATE", "DELETE"},
     "reaper_tenant_windows": {"SELECT", "INSERT", "UPDATE", "DELETE"},
@@ -54,6 +56,8 @@ OPERATOR_TABLE_PRIVILEGES: dict[str, set[str]] = {
     "reaper_migrations": {"SELECT"},
     # reaper outbox discard writes it through messenger.discard_outbox (0013) alone
     "outbox_discards": {"SELECT"},
+    # reaper reconcile --republish writes it through messenger.republish_outbox (0014) alone
+    "outbox_republishes": {"SELECT"},
 }
 OPERATOR_UPDATE_COLUMNS = {"integration_outbox": {"parked_at", "attempts", "next_attempt_at"}}
 RETENTION_FUNCTION = "messenger.delete_published_outbox(interval, int)"

@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
+from reaper import budgets, cycle, phases
 from reaper.cycle import Reaper
 from reaper.events import CycleResult
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.figures import figure
 from tests.support.processes import run_cli
+from tests.support.services import wait_until
 
 ROOMS = 50
 # every room here is stale on purpose: not the mass-closure guard's business
@@ -51,7 +53,9 @@ def test_a_held_roster_row_skips_its_room_and_the_rest_closes_at_once(settings, 
         result = Reaper(settings, engine=engine).run_cycle(T0)
         took = time.monotonic() - started
         closed = statuses(engine, rooms)
-    assert took < 1.0, took
+    # A batch that waited on the held row would wait out its lock_timeout (the
+    # batch's statement budget) and fail the phase: the cycle ends well before.
+    assert took < budgets.batch(settings).statement.total_seconds() / 2, took
     assert result["stale_timeout_count"] == ROOMS - 1
     assert result["skipped_locked_count"] == 1 and result["failed_count"] == 0
     assert closed[held["id"]] == "Active"
@@ -78,42 +82,82 @@ def test_a_held_room_does_not_end_its_phase_early(settings, engine):
     assert result["skipped_locked_count"] == 1
 
 
-def test_a_leave_that_then_updates_its_room_goes_through(settings, engine):
+def test_a_leave_that_then_updates_its_room_goes_through(settings, engine, monkeypatch):
     """The command holds its participant row, then updates its room while the
-    cycle runs: no deadlock, no wait past the batch; the other rooms close."""
+    cycle's batch holds that room (claimed, its roster row skipped): the command
+    waits on the batch, the batch never on the command, no deadlock; the other
+    rooms close. The overlap is forced: the first batch stops before its commit
+    until the command is seen waiting on it in pg_locks."""
     settings = settings.model_copy(update=UNGUARDED)
     rooms = stale_rooms(engine)
     held = rooms[0]
     results: list[CycleResult] = []
+    batch_open = threading.Event()
+    go_on = threading.Event()
+    real_batch = phases.reap_batch  # what reaper.cycle calls
+
+    def batch_held_open(*args: Any, **kwargs: Any) -> Any:
+        effect = real_batch(*args, **kwargs)  # the statement ran: its rows are locked
+        if held["id"] in effect.held and not batch_open.is_set():  # it holds the room
+            batch_open.set()
+            assert go_on.wait(30), "the test never let the batch commit"
+        return effect
+
+    monkeypatch.setattr(cycle, "reap_batch", batch_held_open)
+    waited: list[float] = []
     with f.leave_holding(engine, held["participant"]) as (command, tx):
-        cycle = threading.Thread(
+        command_pid = command.execute(text("SELECT pg_backend_pid()")).scalar_one()
+
+        def leave() -> None:
+            command.execute(
+                text(
+                    "UPDATE messenger.conference_participants SET left_at = :t WHERE id = :id;"
+                    " UPDATE messenger.conference_sessions SET active_participant_count = 0,"
+                    " last_activity_at = :t, updated_at = :t WHERE id = :room"
+                ),
+                {"t": T0, "id": held["participant"], "room": held["id"]},
+            )
+            tx.commit()
+            waited.append(time.monotonic() - released[0])
+
+        cycle_thread = threading.Thread(
             target=lambda: results.append(Reaper(settings, engine=engine).run_cycle(T0))
         )
-        cycle.start()
-        time.sleep(0.3)  # the cycle is under way (or done)
-        started = time.monotonic()
-        command.execute(
-            text(
-                "UPDATE messenger.conference_participants SET left_at = :t WHERE id = :id;"
-                " UPDATE messenger.conference_sessions SET active_participant_count = 0,"
-                " last_activity_at = :t, updated_at = :t WHERE id = :room"
-            ),
-            {"t": T0, "id": held["participant"], "room": held["id"]},
-        )
-        tx.commit()
-        waited = time.monotonic() - started
-        cycle.join(timeout=30)
-    assert not cycle.is_alive()
-    assert waited < 1.0, waited
+        cycle_thread.start()
+        assert batch_open.wait(30), "the cycle's first batch never ran"
+        released = [0.0]
+        command_thread = threading.Thread(target=leave)
+        command_thread.start()
+
+        def command_blocked() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.execute(
+                        text("SELECT cardinality(pg_blocking_pids(:pid)) > 0"), {"pid": command_pid}
+                    ).scalar_one()
+                )
+
+        try:
+            wait_until(command_blocked, 30, "the command waiting on the open batch")
+        finally:
+            released[0] = time.monotonic()
+            go_on.set()
+        command_thread.join(timeout=30)
+        cycle_thread.join(timeout=30)
+    assert not cycle_thread.is_alive() and not command_thread.is_alive()
+    # The command waited for the batch it met to commit, never for the phase: a
+    # lane's transaction sits idle no longer than the batch budget's idle bound.
+    [took] = waited
+    assert took < budgets.batch(settings).idle.total_seconds(), took
     [result] = results
-    assert result["stale_timeout_count"] == ROOMS - 1
+    assert result["stale_timeout_count"] == ROOMS - 1 and result["failed_count"] == 0
     closed = statuses(engine, rooms)
     assert closed[held["id"]] == "Active"  # the user's command decided, not the reaper
     assert sum(status == "Ended" for status in closed.values()) == ROOMS - 1
 
 
 @pytest.mark.process
-def test_reap_once_beside_a_held_roster_row_ends_in_seconds(engine):
+def test_reap_once_beside_a_held_roster_row_ends_in_seconds(settings, engine):
     rooms = stale_rooms(engine, as_of=f.db_now(engine))
     with f.leave_holding(engine, rooms[0]["participant"]):
         started = time.monotonic()
@@ -124,7 +168,10 @@ def test_reap_once_beside_a_held_roster_row_ends_in_seconds(engine):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["stale_timeout_count"] == ROOMS - 1 and result["skipped_locked_count"] == 1
-    assert took < 10, took
+    # Waiting on the held row would last the batch's lock_timeout (its statement
+    # budget, REAPER_MAX_RUN_DURATION by default) and then fail the phase; the
+    # process (its start, imports and exit included) ends in a third of it.
+    assert took < budgets.batch(settings).statement.total_seconds() / 3, took
     figure(
         f"reap --once beside a held roster row: {took:.2f}s for the whole process, "
         f"{ROOMS - 1} of {ROOMS} rooms closed, the held one skipped (before: 30.6 s, the "

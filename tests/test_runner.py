@@ -93,3 +93,45 @@ def test_an_alone_test_runs_by_itself_and_the_others_side_by_side(tmp_path):
     assert overlap("a1", "b1") or overlap("a1", "b2")  # the two processes ran side by side
     assert not any(overlap("a2", other) for other in ("a1", "b1", "b2")), spans
     assert "test_a.py::test_a1: a1 slept 2 s" in done.stdout  # from a worker process
+
+
+@pytest.mark.process
+def test_a_thread_that_fails_fails_its_test(tmp_path):
+    """A test whose helper thread raises fails, even when the test's own asserts
+    hold (its other threads did the work): pytest alone would only warn."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_thread.py").write_text(
+        textwrap.dedent(
+            """
+            import threading
+
+            def test_threads():
+                done = []
+
+                def work(index):
+                    assert index != 1, "a thread's assert"
+                    done.append(index)
+
+                threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                assert done == [0]
+            """
+        )
+    )
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")),
+            *("--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-q", str(suite)),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 failed" in done.stdout and "a thread's assert" in done.stdout, done.stdout

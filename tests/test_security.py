@@ -105,6 +105,7 @@ TABLES = (
     "reaper_tenant_windows",
     "reaper_migrations",
     "outbox_discards",
+    "outbox_republishes",
 )
 EXPECTED_TABLE_PRIVILEGES = {
     "conference_sessions": {"SELECT"},
@@ -122,6 +123,8 @@ EXPECTED_TABLE_PRIVILEGES = {
     "reaper_migrations": {"SELECT"},
     # read for messenger_outbox_discarded; only an operator discards (migration 0013)
     "outbox_discards": {"SELECT"},
+    # read by the ledger (reaper reconcile); only an operator republishes (migration 0014)
+    "outbox_republishes": {"SELECT"},
 }
 EXPECTED_UPDATE_COLUMNS = {
     "conference_sessions": {
@@ -158,6 +161,7 @@ EXPECTED_UPDATE_COLUMNS = {
     "reaper_tenant_windows": set(),
     "reaper_migrations": set(),
     "outbox_discards": set(),
+    "outbox_republishes": set(),
 }
 
 

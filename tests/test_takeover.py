@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
+from reaper.ledger import Verdict
 from tests.conftest import clean
 from tests.support import factory as f
+from tests.support.facts import output_events
 from tests.support.figures import figure
-from tests.support.invariants import audit_engine
+from tests.support.ledger import books
 from tests.support.processes import Worker, wait_until
 from tests.support.services import PrivateRedis
 
@@ -85,16 +87,17 @@ def killpg(worker: Worker, sig: int) -> None:
         os.killpg(worker.proc.pid, sig)
 
 
-def finish(worker: Worker, engine: Engine) -> None:
+def finish(worker: Worker, engine: Engine) -> Verdict:
     """The successor goes on closing; every room closed once, with its events.
     (Draining the whole backlog adds minutes and nothing: a room left behind
     stays eligible for the next cycle.)"""
     target = min(BACKLOG, ended(engine) + 500)
     wait_until(lambda: ended(engine) >= target, 60, "the successor goes on", 0.5)
     worker.stop()
-    audit = audit_engine(engine)
-    audit.assert_clean()  # nothing closed twice, no half batch
-    assert audit.integration == audit.ended >= target
+    found = books(engine)
+    verdict = found.assert_clean()  # nothing lost, nothing closed twice, no half batch
+    assert found.tally.integration == found.tally.ended >= target
+    return verdict
 
 
 def test_a_crashed_node_is_taken_over_within_an_interval_plus_15s(db, tmp_path: Path):
@@ -109,7 +112,7 @@ def test_a_crashed_node_is_taken_over_within_an_interval_plus_15s(db, tmp_path: 
         started = time.monotonic()
         second.start()
         took = resumed_after(db, before, started)
-        finish(second, db)
+        verdict = finish(second, db)
     finally:
         first.stop()
         second.stop()
@@ -117,7 +120,8 @@ def test_a_crashed_node_is_taken_over_within_an_interval_plus_15s(db, tmp_path: 
     figure(
         f"kill -9 of the whole worker mid-drain ({before} of {BACKLOG} closed): "
         f"closing resumed {took:.1f}s after the new worker started (interval {INTERVAL:g}s, "
-        "lease 10s); lost 0, duplicated 0"
+        "lease 10s); "
+        f"lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)} (the ledger)"
     )
 
 
@@ -139,7 +143,7 @@ def test_a_deploy_whose_broker_lost_its_queues_is_taken_over(db, tmp_path: Path)
         started = time.monotonic()
         second.start()
         took = resumed_after(db, before, started)
-        finish(second, db)
+        verdict = finish(second, db)
     finally:
         first.stop()
         second.stop()
@@ -148,7 +152,7 @@ def test_a_deploy_whose_broker_lost_its_queues_is_taken_over(db, tmp_path: Path)
     figure(
         f"warm shutdown mid-drain with the broker's queues lost ({before} of "
         f"{BACKLOG} closed): closing resumed {took:.1f}s after the new worker started; "
-        "lost 0, duplicated 0"
+        f"lost {len(verdict.lost)}, duplicated {len(verdict.duplicated)} (the ledger)"
     )
 
 
@@ -184,9 +188,16 @@ def test_a_frozen_owner_loses_the_run_and_never_commits_after_it(db, tmp_path: P
         assert outcome() == "taken_over"
         by_frozen = frozen_events(db, frozen_run)
         killpg(first, signal.SIGCONT)
-        time.sleep(5)  # its threads wake and try their next batches
+        # Woken, its lanes try their next batches and find the run fenced off; the
+        # phase ends and says so when it lets go of its lock: nothing of that
+        # phase commits after its lock.lost line.
+        first.wait_for(
+            lambda out: any(e.get("run_id") == frozen_run for e in output_events(out, "lock.lost")),
+            60,
+            "the woken owner's lock.lost",
+        )
         assert frozen_events(db, frozen_run) == by_frozen
-        finish(second, db)
+        verdict = finish(second, db)
     finally:
         killpg(first, signal.SIGCONT)
         first.stop()
@@ -195,7 +206,8 @@ def test_a_frozen_owner_loses_the_run_and_never_commits_after_it(db, tmp_path: P
     figure(
         f"SIGSTOP of the owner mid-drain ({before} of {BACKLOG} closed): a second "
         f"worker resumed the closing {took:.1f}s after the freeze; the woken owner committed "
-        f"nothing more ({by_frozen} rooms were its run's); lost 0, duplicated 0"
+        f"nothing more ({by_frozen} rooms were its run's); lost {len(verdict.lost)}, "
+        f"duplicated {len(verdict.duplicated)} (the ledger)"
     )
 
 

@@ -15,6 +15,13 @@ from reaper.db import NoAnswer, engine_for, transaction
 from reaper.watchdog import TICK_S, WaitExceeded, Watchdog
 from tests.support.netfault import Proxy
 
+# A bound ends within a tick of its deadline (TICK_S: the tick it fell in, and the
+# next one if the thread was asleep past it). Beyond that, a margin for a thread
+# woken late on a CPU shared with the test beside it (the suite runs two at once):
+# a watchdog that missed its bound leaves the wait open for ever, not a second.
+LATE_S = 2 * TICK_S
+SHARED_CPU_S = 1.0
+
 
 def test_a_wait_past_its_bound_is_ended() -> None:
     watchdog = Watchdog()
@@ -28,7 +35,7 @@ def test_a_wait_past_its_bound_is_ended() -> None:
             if ours.recv(1) == b"":  # the peer never writes: only the shutdown ends it
                 raise ConnectionError("closed")
         took = time.monotonic() - started
-    assert 0.3 <= took <= 0.3 + 2 * TICK_S + 0.2, took
+    assert 0.3 <= took <= 0.3 + LATE_S + SHARED_CPU_S, took
 
 
 def test_a_wait_within_its_bound_is_left_alone() -> None:
@@ -38,7 +45,7 @@ def test_a_wait_within_its_bound_is_left_alone() -> None:
         with watchdog.bound(ours.fileno(), 1.0):
             peer.sendall(b"x")
             assert ours.recv(1) == b"x"
-        time.sleep(1.0 + 2 * TICK_S)  # past the bound: it was closed with the block
+        time.sleep(1.0 + LATE_S)  # past the bound: it was closed with the block
         peer.sendall(b"y")
         assert ours.recv(1) == b"y"
 
@@ -71,7 +78,7 @@ def test_a_transaction_nobody_answers_fails_within_the_first_answer_bound(
     ):
         pass
     took = time.monotonic() - started
-    assert took <= 0.5 + 2 * TICK_S + 0.5, took
+    assert took <= 0.5 + LATE_S + SHARED_CPU_S, took
     relay_.resume()
     with transaction(engine, budgets.quick(settings)) as queries:  # a new connection
         queries.database_clock()
@@ -90,7 +97,7 @@ def test_a_pooled_connection_nobody_answers_fails_its_checkout_within_the_bound(
     started = time.monotonic()
     with pytest.raises(NoAnswer), engine.connect():
         pass
-    assert time.monotonic() - started <= 0.5 + 2 * TICK_S + 0.5
+    assert time.monotonic() - started <= 0.5 + LATE_S + SHARED_CPU_S
     relay_.resume()
     engine.dispose()
 

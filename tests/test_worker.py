@@ -118,6 +118,10 @@ def test_reap_phase_by_hand(engine, tmp_path):
         assert worker.stop() == 0
 
 
+# A tick's way from beat through Redis to a pool child, on a loaded machine.
+DISPATCH_S = 0.5
+
+
 @pytest.mark.process
 @pytest.mark.parametrize("phase", ["empty_room", "provision_timeout"])
 def test_beat_closes_rooms_within_the_slo(engine, tmp_path, phase):
@@ -176,8 +180,9 @@ def test_beat_closes_rooms_within_the_slo(engine, tmp_path, phase):
             f"{phase}: closed {max(lateness):.2f}s at most after {since} "
             f"(SLO: window {window}s + interval {interval}s)"
         )
-        # 0.5 s allows for dispatch through the broker on a loaded machine
-        assert all(window <= lag <= window + interval + 0.5 for lag in lateness), lateness
+        # the SLO (window + interval), and the tick's dispatch through the broker
+        # and the pool on a CPU shared with the test beside it
+        assert all(window <= lag <= window + interval + DISPATCH_S for lag in lateness), lateness
         within = histogram[
             f'messenger_conf_reaper_closing_lateness_seconds_bucket{{le="2.0",{label}}}'
         ]

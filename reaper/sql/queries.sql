@@ -1172,3 +1172,71 @@ ORDER BY revision;
 SELECT pg_get_userbyid(c.relowner) AS owner, pg_has_role(c.relowner, 'USAGE') AS acts_as_owner
 FROM pg_class c
 WHERE c.oid = to_regclass('public.alembic_version');
+
+-- name: ledger_closings
+-- The ledger (reaper/ledger.py, docs/delivery.md): the rooms the reaper closed
+-- in [since, until), by the partial index of reaped rooms (ix_conf_reaped).
+-- Ids as text: the ledger matches them with the events' text.
+SELECT s.id::text AS conference_id, s.deal_id::text AS deal_id, s.status, s.end_reason,
+       s.ended_at
+FROM messenger.conference_sessions s
+WHERE s.end_reason IN ('EmptyTimeout', 'Timeout', 'Error')
+  AND s.ended_at >= :since AND s.ended_at < :until;
+
+-- name: ledger_pending
+-- The ledger: every event not yet on Kafka (pending or parked). Published rows
+-- (a 0.3.0 relay's) are on the topic, where the ledger reads them.
+SELECT o.event_id::text AS event_id, o.message_key, o.payload,
+       o.parked_at IS NOT NULL AS parked
+FROM messenger.integration_outbox o
+WHERE o.published_at IS NULL;
+
+-- name: ledger_pushes
+-- The ledger: the push rows of the rooms the reaper closed in [since, until).
+SELECT r.conference_id::text AS conference_id, r.kind
+FROM messenger.conference_sessions s
+JOIN messenger.realtime_outbox r ON r.conference_id = s.id
+WHERE s.end_reason IN ('EmptyTimeout', 'Timeout', 'Error')
+  AND s.ended_at >= :since AND s.ended_at < :until;
+
+-- name: ledger_discarded
+-- The ledger: rooms closed in [since, until) whose event an operator discarded
+-- (migration 0013; a small table, matched by the event's text).
+SELECT s.id::text
+FROM messenger.outbox_discards d
+JOIN messenger.conference_sessions s ON s.id::text = d.payload->'payload'->>'conferenceId'
+WHERE s.ended_at >= :since AND s.ended_at < :until;
+
+-- name: ledger_republished
+-- The ledger: the events an operator put back for rooms closed in [since, until)
+-- (migration 0014).
+SELECT p.event_id::text
+FROM messenger.outbox_republishes p
+WHERE p.ended_at >= :since AND p.ended_at < :until;
+
+-- name: ledger_rooms
+-- The ledger: the rooms of events whose room is not among the closings in the
+-- window, as they are now (closed earlier or later, closed otherwise, live).
+SELECT s.id::text AS conference_id, s.deal_id::text AS deal_id, s.status, s.end_reason,
+       s.ended_at
+FROM messenger.conference_sessions s
+WHERE s.id = ANY (CAST(:ids AS uuid[]));
+
+-- name: republish_outbox
+-- reaper reconcile --republish: the lost event of a room the reaper ended, put
+-- back into the outbox and recorded in messenger.outbox_republishes (migration
+-- 0014). The definer function refuses a room not ended by the reaper and an
+-- event still in the outbox or discarded; EXECUTE is the operator role's only.
+SELECT p.event_id::text AS event_id, p.conference_id::text AS conference_id,
+       p.deal_id::text AS deal_id, p.end_reason, p.ended_at, p.republished_at,
+       p.republished_by, p.republished_login, p.reason
+FROM messenger.republish_outbox(CAST(:conference_id AS uuid), :topic, :reason, :operator) p;
+
+-- name: may_republish
+-- reaper reconcile --republish asks first, before reading anything: may this
+-- login put a lost event back (EXECUTE on the 0014 function is the operator
+-- role's only)? to_regprocedure: NULL before 0014 (this release needs it).
+SELECT session_user AS login,
+       coalesce(has_function_privilege(
+           to_regprocedure('messenger.republish_outbox(uuid, text, text, text)'), 'EXECUTE'),
+           false) AS allowed;

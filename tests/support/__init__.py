@@ -1,2 +1,2 @@
 """Helpers of the test suite and of bench/: seeding, real service processes,
-a private Kafka-compatible broker, fault-injection instances, invariants."""
+a private Kafka-compatible broker, fault-injection instances, the ledger."""

@@ -1,5 +1,5 @@
 """Logins as a deployment makes them: a LOGIN role with a password, member of
-one of the reaper's NOLOGIN roles (README "Deployment")."""
+one of the reaper's NOLOGIN roles (docs/deployment.md#logins-and-secrets)."""
 
 from __future__ import annotations
 
