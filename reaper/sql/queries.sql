@@ -706,8 +706,8 @@ WITH due AS (
     SELECT r.id, s.id AS conference_id, s.end_reason
     FROM messenger.conference_sessions s
     JOIN messenger.call_recordings r ON r.conference_id = s.id
-    -- the end reasons of the phases (ix_recordings_conference's partial index,
-    -- migration 0007, lists the same: tests/test_phase_lists.py)
+    -- the end reasons of the phases (the partial index ix_conf_reaped, migration
+    -- 0007, must list each: tests/test_phase_lists.py)
     WHERE s.end_reason IN (
           -- include each phase joined by ,: phase_end_reason
           )
