@@ -376,11 +376,9 @@ def test_set_merges_into_the_tenants_policy_and_tells_who(settings, engine, fact
     first = controls.set_policy(A.upper(), empty_room_grace=timedelta(minutes=10))
     assert first.tenant_id == A  # canonical form
     second = controls.set_policy(A, stale_live_timeout=timedelta(hours=6))
-    assert second.windows == {
-        "empty_room_grace": timedelta(minutes=10),
-        "provision_timeout": None,
-        "stale_live_timeout": timedelta(hours=6),
-    }
+    given = {"empty_room_grace": timedelta(minutes=10), "stale_live_timeout": timedelta(hours=6)}
+    # every phase's window, the others the default (None)
+    assert second.windows == {name: given.get(name) for name in OPTIONS}
     [row] = policies(engine)
     assert row["updated_by"] == "alice" and row["updated_at"] == second.updated_at
     # stored as seconds (no day part): as_of - window is exact in any time zone
@@ -396,9 +394,9 @@ def test_set_merges_into_the_tenants_policy_and_tells_who(settings, engine, fact
     logged = log_events(caplog, "control.policy_set")
     assert logged[0] == {
         "tenant_id": A,
+        # a field per phase's window, the ones not set null
+        **{f"{name}_seconds": None for name in OPTIONS},
         "empty_room_grace_seconds": 600.0,
-        "provision_timeout_seconds": None,
-        "stale_live_timeout_seconds": None,
         "updated_at": logged[0]["updated_at"],
         "updated_by": "alice",
     }
