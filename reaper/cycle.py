@@ -416,7 +416,7 @@ class PhaseBatches:
                     excluded=self._excluded(),
                     shortest=self.shortest,
                 )
-            effect = self._isolate(lane, ids, exc)
+            effect = self._retry(lane, ids)
             effect.candidates = len(ids)
         self.locked.add(
             [r.conference_id for r in effect.reaped] + [r.conference_id for r in effect.poison],
@@ -483,6 +483,21 @@ class PhaseBatches:
             effect.poison = [r for r in effect.poison if r.conference_id in fresh]
         return effect
 
+    def _retry(self, lane: Session, ids: list[str]) -> BatchEffect:
+        """These rows again, in a transaction of their own; refused, in halves.
+
+        The rows read after a refused batch need not be the rows it refused: a lane
+        beside this one may have isolated or claimed some of them meanwhile. So a
+        row is poison only once the database has refused it alone."""
+        if not ids:
+            return BatchEffect()
+        try:
+            return self._batch(lane, only=ids)
+        except DBAPIError as exc:
+            if not is_poison_error(exc):
+                raise
+            return self._isolate(lane, ids, exc)
+
     def _isolate(self, lane: Session, ids: list[str], error: DBAPIError) -> BatchEffect:
         """The database refused a batch: the same batch in halves, each its own
         transaction, until the row it refuses is alone. That row is poison (left
@@ -501,13 +516,7 @@ class PhaseBatches:
             return BatchEffect(poison=[poison])
         effect = BatchEffect()
         for half in (ids[: len(ids) // 2], ids[len(ids) // 2 :]):
-            try:
-                part = self._batch(lane, only=half)
-            except DBAPIError as exc:
-                if not is_poison_error(exc):
-                    raise
-                part = self._isolate(lane, half, exc)
-            effect = effect.merge(part)
+            effect = effect.merge(self._retry(lane, half))
         return effect
 
 

@@ -416,6 +416,37 @@ def test_poison_rows_filling_a_batch_do_not_block_the_rest(database_url, refusin
         assert all(f.statuses(conn)[g["id"]] == ("Ended", "EmptyTimeout") for g in good)
 
 
+def test_a_row_read_after_a_refused_batch_is_poison_only_once_refused_alone(
+    database_url, refusing_database, monkeypatch
+):
+    """A lane beside this one may isolate the refused row first, so the rows read
+    again after a refused batch can all be good ones; none of them is poison until
+    the database has refused it alone (seen under load: a good room failed with its
+    batch-mate's error)."""
+    import reaper.cycle
+    import reaper.phases
+
+    engine = refusing_database
+    settings = Settings(database_url=database_url, batch_size=2, drain_lanes=1)
+    with engine.begin() as conn:
+        bad = f.conference(conn, idle=timedelta(minutes=20))["id"]
+        f.refuse(conn, bad)
+        good = f.conference(conn, idle=timedelta(minutes=19))["id"]
+    read_again = reaper.phases.candidates
+    calls = []
+
+    def another_lane_took_the_bad_row(*args, **kwargs):
+        calls.append(1)
+        return [i for i in read_again(*args, **kwargs) if i != bad]
+
+    monkeypatch.setattr(reaper.cycle, "candidates", another_lane_took_the_bad_row)
+    result = reap(settings, engine)
+    assert calls, "the refused batch was never read again"
+    with engine.connect() as conn:
+        assert f.statuses(conn)[good] == ("Ended", "EmptyTimeout")
+    assert result["empty_timeout_count"] == 1
+
+
 def test_backlog_of_5000_drains_in_one_cycle(settings, engine):
     with engine.begin() as conn:
         f.bulk_conferences(conn, 5000)

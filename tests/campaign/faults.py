@@ -324,10 +324,10 @@ def _held(kind: str, statement: str, what: str) -> Callable[[World, str], Inject
         assert world.engine is not None
         conn: Connection = world.engine.connect()
         try:
-            conn.execute(text("SET application_name = 'campaign-fault'"))
             tx = conn.begin()
-            if kind == "held_snapshot":
+            if kind == "held_snapshot":  # the transaction's first statement
                 conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
+            conn.execute(text("SET LOCAL application_name = 'campaign-fault'"))
             n = len(conn.execute(text(statement)).all())
         except BaseException:
             conn.close()
