@@ -128,8 +128,10 @@ WHERE mod(s.g, 5) = 0 AND s.status = 'Active';
 # the live rooms and tenants without rooms, with longer windows (up to 7 days).
 # Windows as seconds, as `reaper policy set` stores them.
 POLICIES = """
-INSERT INTO messenger.reaper_tenant_policies
-    (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
+INSERT INTO messenger.reaper_tenant_windows
+    (tenant_id, phase, window_length, updated_at, updated_by)
+SELECT p.tenant_id, w.phase, w.window_length, p.updated_at, p.updated_by
+FROM (
 SELECT t.tenant,
        make_interval(secs => CASE mod(g, 3) WHEN 0 THEN t.short_grace WHEN 1 THEN t.long_grace END),
        make_interval(secs => CASE mod(g, 4) WHEN 0 THEN t.short_provision
@@ -151,6 +153,12 @@ CROSS JOIN LATERAL (
            CASE WHEN g <= 500 THEN 4.5 * 3600 ELSE 7 * 86400 END AS long_stale,
            CASE WHEN g <= 500 THEN 2 * 3600 ELSE 12 * 3600 END AS other_stale
 ) t
+) AS p (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
+-- a policy row of 0.4.0's shape, one window row per phase it sets
+CROSS JOIN LATERAL (VALUES ('empty_room', p.empty_room_grace),
+                           ('provision_timeout', p.provision_timeout),
+                           ('stale_live', p.stale_live_timeout)) AS w (phase, window_length)
+WHERE w.window_length IS NOT NULL
 """
 
 # The eligible rooms taken out (``{outboxes}`` emptied), without the triggers of
@@ -182,7 +190,7 @@ TABLES = (
     "messenger.call_recordings",
     "messenger.integration_outbox",
     "messenger.realtime_outbox",
-    "messenger.reaper_tenant_policies",
+    "messenger.reaper_tenant_windows",
 )
 
 

@@ -197,6 +197,10 @@ LEDGER_KAFKA_SLACK = timedelta(minutes=5)
 # instead of hanging it. A night's events of a busy deployment are read in
 # seconds; several Kafka timeouts on top cover a slow metadata answer.
 LEDGER_KAFKA_READ = timedelta(minutes=2)
+# One poll of the ledger's consumer, and its wait between metadata requests
+# for a topic not known yet: short, so the read notices its end (an empty poll
+# after the end offsets) and its deadline promptly.
+LEDGER_POLL = timedelta(milliseconds=200)
 
 
 def ledger_read(settings: Settings) -> Budget:

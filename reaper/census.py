@@ -22,7 +22,7 @@ from reaper.db import transaction
 from reaper.errors import describe
 from reaper.events import GaugesMeasured
 from reaper.logs import get_logger, log
-from reaper.phases import ORDER, PHASES, cutoffs
+from reaper.phases import IN_ORDER, ORDER, PHASES, cutoffs
 from reaper.queries import Queries
 
 logger = get_logger("census")
@@ -53,15 +53,15 @@ class Census:
 
 def census(queries: Queries, settings: Settings, as_of: datetime) -> Census:
     queries.census_planner()  # for the rest of the caller's (read-only) transaction
-    row = queries.eligible_census(as_of=as_of, **cutoffs(settings, as_of))._mapping
+    rows = queries.eligible_census(phases=IN_ORDER, as_of=as_of, bounds=cutoffs(settings, as_of))
     phases = {
-        name: PhaseCensus(
-            phase=name,
-            eligible=int(row[name]),
-            oldest_eligible_since=row[f"{name}_since"],
-            window=PHASES[name].window(settings),
+        row.phase: PhaseCensus(
+            phase=row.phase,
+            eligible=int(row.n),
+            oldest_eligible_since=row.since,
+            window=PHASES[row.phase].window(settings),
         )
-        for name in ORDER
+        for row in rows
     }
     return Census(as_of, phases)
 

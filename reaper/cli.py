@@ -544,9 +544,10 @@ def cmd_sql(settings: Settings, args: argparse.Namespace) -> int:
     compiled for the configured database's driver, so its parameters are in the
     driver's style; and their names. Reads no database."""
     from reaper.db import engine_of
+    from reaper.phases import IN_ORDER
     from reaper.queries import load
 
-    statements = load()
+    statements = load(IN_ORDER)
     clause = statements.get(args.name)
     if clause is None:
         print(f"reaper sql: no statement {args.name!r}; the names:", file=sys.stderr)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import getpass
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -35,7 +36,7 @@ from reaper.events import (
     OutboxRequeued,
     process_bus,
 )
-from reaper.phases import EMPTY_ROOM, ORDER, PHASES, PROVISION_TIMEOUT, STALE_LIVE
+from reaper.phases import EMPTY_ROOM, ORDER, PHASES, STALE_LIVE
 
 
 def operator(settings: Settings) -> str:
@@ -98,50 +99,49 @@ class Controls:
 
     # -- windows per tenant (docs/design.md#windows-per-tenant) ----------------
 
-    def set_policy(
-        self,
-        tenant_id: str,
-        *,
-        empty_room_grace: timedelta | None = None,
-        provision_timeout: timedelta | None = None,
-        stale_live_timeout: timedelta | None = None,
-    ) -> ControlPolicySet:
-        """Merge the given windows into the tenant's policy (a window not given keeps
-        its value). Refused (:class:`PolicyRefused`, nothing changed) unless each is
-        positive and at most 7 days, and the tenant's effective empty-room grace stays
+    def set_policy(self, tenant_id: str, **given: timedelta | None) -> ControlPolicySet:
+        """Set the given windows (by Settings field: ``empty_room_grace=...``, one
+        per phase, OPTIONS) of the tenant, each one row of
+        messenger.reaper_tenant_windows; a window not given keeps its value.
+        Refused (:class:`PolicyRefused`, nothing changed) unless each is positive
+        and at most 7 days, and the tenant's effective empty-room grace stays
         below its effective stale-live timeout, as the environment's must."""
         tenant = tenant_uuid(tenant_id)
-        given = {
-            name: value
-            for name, value in (
-                (EMPTY_ROOM.setting, empty_room_grace),
-                (PROVISION_TIMEOUT.setting, provision_timeout),
-                (STALE_LIVE.setting, stale_live_timeout),
-            )
-            if value is not None
-        }
-        if not given:
+        unknown = sorted(set(given) - set(OPTIONS))
+        if unknown:
+            raise PolicyRefused("policy set", f"no window {unknown[0]!r}; one of {list(OPTIONS)}")
+        windows = {name: value for name, value in given.items() if value is not None}
+        if not windows:
             raise PolicyRefused("policy set", f"give at least one of {', '.join(OPTIONS.values())}")
-        for name, value in given.items():
+        for name, value in windows.items():
             check_window(OPTIONS[name], value, floors(self.settings)[name])
         by = operator(self.settings)
-        seconds: dict[str, float | None] = {f"{name}_s": None for name in OPTIONS}
-        seconds.update({f"{name}_s": value.total_seconds() for name, value in given.items()})
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
-            row = queries.set_tenant_policy(tenant, **seconds, by=by)
-            # Checked on the merged row, locked until the commit: two operators
-            # setting the two windows at once cannot make them cross. Raising
-            # rolls the change back.
-            policy = TenantPolicy.from_row(row)
-            self._coherent(policy, given)
-        fact = ControlPolicySet(**asdict(policy))  # the fact is the policy as stored
+            for name, value in windows.items():
+                queries.set_tenant_window(
+                    tenant, phase=SETTING_PHASES[name], window_s=value.total_seconds(), by=by
+                )
+            # Checked on the tenant's windows as stored, locked until the commit:
+            # two operators setting the two windows at once cannot make them
+            # cross. Raising rolls the change back.
+            policy = TenantPolicy.of(queries.tenant_windows(tenant))[0]
+            self._coherent(policy, windows)
+        # the fact is the policy as stored
+        fact = ControlPolicySet(
+            tenant_id=policy.tenant_id,
+            windows=policy.all_windows(),
+            updated_at=policy.updated_at,
+            updated_by=policy.updated_by,
+        )
         self.bus.emit(fact)
         return fact
 
-    def _coherent(self, policy: TenantPolicy, given: dict[str, timedelta]) -> None:
+    def _coherent(self, policy: TenantPolicy, given: Mapping[str, timedelta]) -> None:
         settings = self.settings
-        grace = policy.empty_room_grace or settings.empty_room_grace
-        stale = policy.stale_live_timeout or settings.stale_live_timeout
+        own_grace = policy.window(EMPTY_ROOM.setting)
+        own_stale = policy.window(STALE_LIVE.setting)
+        grace = own_grace or EMPTY_ROOM.window(settings)
+        stale = own_stale or STALE_LIVE.window(settings)
         if grace < stale:
             return
         # name what this command changed: the grace, else the stale-live timeout
@@ -154,22 +154,21 @@ class Controls:
 
         raise PolicyRefused(
             option,
-            f"the tenant's empty-room grace ({which(policy.empty_room_grace, grace)}) must be "
-            f"below its stale-live timeout ({which(policy.stale_live_timeout, stale)})",
+            f"the tenant's empty-room grace ({which(own_grace, grace)}) must be "
+            f"below its stale-live timeout ({which(own_stale, stale)})",
         )
 
     def unset_policy(self, tenant_id: str) -> ControlPolicyUnset | None:
-        """Remove the tenant's policy; None when it had none."""
+        """Remove the tenant's windows; None when it had none."""
         tenant = tenant_uuid(tenant_id)
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
-            row = queries.unset_tenant_policy(tenant)
-        if row is None:
+            rows = queries.unset_tenant_windows(tenant)
+        if not rows:
             return None
+        policy = TenantPolicy.of(rows)[0]
         fact = ControlPolicyUnset(
-            tenant_id=row.tenant_id,
-            empty_room_grace=row.empty_room_grace,
-            provision_timeout=row.provision_timeout,
-            stale_live_timeout=row.stale_live_timeout,
+            tenant_id=policy.tenant_id,
+            windows=policy.all_windows(),
             unset_by=operator(self.settings),
         )
         self.bus.emit(fact)
@@ -177,7 +176,7 @@ class Controls:
 
     def policies(self) -> list[TenantPolicy]:
         with transaction(self.engine, budgets.read(self.settings)) as queries:
-            return [TenantPolicy.from_row(row) for row in queries.tenant_policies()]
+            return TenantPolicy.of(queries.tenant_windows())
 
     def requeue(self, event_id: str | None) -> int:
         """Parked outbox rows back to pending (one, or all with None); how many."""
@@ -224,9 +223,11 @@ class DiscardRefused(ValueError):
 # reason (invalid_parameter_value).
 REFUSALS = frozenset({"55000", "P0002", "22023"})
 
-# The windows a tenant policy may set, by column, and the option that sets each.
+# The windows a tenant policy may set, by the Settings field of their default,
+# and the option that sets each; the phase each is a window of.
 OPTIONS = {phase.setting: "--" + phase.setting.replace("_", "-") for phase in PHASES.values()}
-# The table's own check (migration 0008) holds the same bound.
+SETTING_PHASES = {phase.setting: phase.name for phase in PHASES.values()}
+# The table's own check (migration 0015) holds the same bound.
 MAX_WINDOW = timedelta(days=7)
 # An occupied room is ended this long after its last heartbeat at the earliest:
 # a presence hiccup or a redeploy of the presence service must not close rooms
@@ -235,13 +236,14 @@ STALE_LIVE_FLOOR = timedelta(minutes=15)
 
 
 def floors(settings: Settings) -> dict[str, timedelta]:
-    """The shortest window a tenant may have, by column (docs/design.md#windows-per-tenant).
+    """The shortest window a tenant may have, by Settings field
+    (docs/design.md#windows-per-tenant).
 
-    The grace and the provision timeout: one polling interval, since a cycle
-    only comes that often, so a shorter window closes nothing sooner and is a
-    typo. The stale-live timeout: STALE_LIVE_FLOOR."""
+    One polling interval, since a cycle only comes that often, so a shorter
+    window closes nothing sooner and is a typo. A guarded phase's (the
+    stale-live timeout, which ends occupied rooms): STALE_LIVE_FLOOR."""
     return {
-        phase.setting: STALE_LIVE_FLOOR if phase is STALE_LIVE else settings.polling_interval
+        phase.setting: STALE_LIVE_FLOOR if phase.guarded else settings.polling_interval
         for phase in PHASES.values()
     }
 
@@ -278,33 +280,42 @@ def tenant_uuid(value: str) -> str:
 
 @dataclass(frozen=True)
 class TenantPolicy:
-    """A row of messenger.reaper_tenant_policies; a window None is the default."""
+    """A tenant's windows (rows of messenger.reaper_tenant_windows), by the
+    Settings field of their phase's default; a phase without one gets the default.
+    ``updated_at``, ``updated_by``: of its latest change."""
 
     tenant_id: str
-    empty_room_grace: timedelta | None
-    provision_timeout: timedelta | None
-    stale_live_timeout: timedelta | None
     updated_at: datetime
     updated_by: str
+    windows: Mapping[str, timedelta] = field(default_factory=dict)
 
     @classmethod
-    def from_row(cls, row: Any) -> TenantPolicy:
-        return cls(
-            str(row.tenant_id),
-            row.empty_room_grace,
-            row.provision_timeout,
-            row.stale_live_timeout,
-            row.updated_at,
-            row.updated_by,
-        )
+    def of(cls, rows: list[Any]) -> list[TenantPolicy]:
+        """The policies of rows (tenant_id, phase, window_length, updated_at,
+        updated_by), one per tenant, in the rows' order. A phase this release
+        does not know (a newer release's) is left out."""
+        grouped: dict[str, list[Any]] = {}
+        for row in rows:
+            grouped.setdefault(str(row.tenant_id), []).append(row)
+        policies = []
+        for tenant, own in grouped.items():
+            latest = max(own, key=lambda row: row.updated_at)
+            windows = {
+                PHASES[row.phase].setting: row.window_length for row in own if row.phase in PHASES
+            }
+            policies.append(cls(tenant, latest.updated_at, latest.updated_by, windows))
+        return policies
 
     def window(self, name: str) -> timedelta | None:
-        window: timedelta | None = getattr(self, name)
-        return window
+        return self.windows.get(name)
 
     def seconds(self, name: str) -> float | None:
         window = self.window(name)
         return None if window is None else window.total_seconds()
+
+    def all_windows(self) -> dict[str, timedelta | None]:
+        """Every phase's window by Settings field, None where it gets the default."""
+        return {name: self.window(name) for name in OPTIONS}
 
 
 def _phases(phases: list[str] | None) -> list[str]:

@@ -14,6 +14,7 @@ ownership is :mod:`reaper.runs`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -45,6 +46,7 @@ from reaper.events import (
     PhaseFailed,
     PhaseMassClosure,
     PhaseResult,
+    PhaseUnknown,
     process_bus,
 )
 from reaper.phases import (
@@ -54,6 +56,7 @@ from reaper.phases import (
     Phase,
     Shortest,
     candidates,
+    cutoffs,
     mass_closure,
     reap_batch,
     tenant_windows,
@@ -95,6 +98,8 @@ class Reaper:
         self.stop_event = stop_event or threading.Event()
         # The operator's one-run override of the mass-closure guard.
         self.allow_mass_closure = allow_mass_closure
+        # the unknown phases this process has told (PhaseUnknown): each once
+        self._unknown_told: set[str] = set()
 
     # -- a cycle -----------------------------------------------------------
 
@@ -204,8 +209,12 @@ class Reaper:
         A phase always runs at least one batch, so a backlog in one phase never
         starves the next. Any error ends the phase (the batch in flight rolls
         back, those committed stay) and is counted; the cycle goes on.
-        Returns the phase's own share of the cycle's result.
+        Returns the phase's own share of the cycle's result. A phase this release
+        does not know (a newer release's, its chain reaching this worker during
+        a rolling deploy) is left out: the run records it and the chain goes on.
         """
+        if name not in PHASES:
+            return self._unknown_phase(name, run_id)
         phase = PHASES[name]
         started_ns = time.time_ns()
         try:
@@ -281,6 +290,17 @@ class Reaper:
             run_id, run, before, run.counts, [phase.name] if claim.paused is not None else []
         )
 
+    def _unknown_phase(self, name: str, run_id: str) -> PhaseResult:
+        """Nothing done for a phase this release does not know; told once per
+        process, recorded in the run (best effort: the database may be gone,
+        and the chain goes on either way)."""
+        with contextlib.suppress(SQLAlchemyError):
+            self.runs.record_unknown(run_id, name)
+        if name not in self._unknown_told:
+            self._unknown_told.add(name)
+            self.bus.emit(PhaseUnknown(run_id=run_id, phase=name, known=ORDER))
+        return phase_result(run_id, None, {}, {})
+
     def _mass_closure_blocked(self, phase: Phase, run: Run) -> bool:
         """True when this phase would end too many live rooms at once (then it ends none).
 
@@ -292,9 +312,10 @@ class Reaper:
         settings = self.settings
         with transaction(self.engine, budgets.batch(self.settings)) as queries:
             queries.census_planner()
-            eligible = queries.stale_live_eligible(
+            eligible = queries.guard_eligible(
+                phase=phase,
                 as_of=run.as_of,
-                cutoff=phase.cutoff(self.settings, run.as_of),
+                bounds=cutoffs(self.settings, run.as_of),
                 excluded=run.excluded_now(),
             )
             # Counting every live room costs what the live rooms cost: only when it can matter.

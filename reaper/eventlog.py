@@ -14,7 +14,7 @@ computed, renamed or constant, or a second line.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 from reaper.clock import rfc3339, rfc3339_or_none
@@ -280,15 +280,18 @@ def _seconds(window: timedelta | None) -> float | None:
     return None if window is None else window.total_seconds()
 
 
+def _windows(windows: Mapping[str, timedelta | None]) -> dict[str, float | None]:
+    """A policy's windows as fields: ``<setting>_seconds`` for every phase."""
+    return {f"{name}_seconds": _seconds(window) for name, window in windows.items()}
+
+
 def policy_set(fact: ControlPolicySet) -> None:
     log(
         control_logger,
         "control.policy_set",
         level=logging.WARNING,
         tenant_id=fact.tenant_id,
-        empty_room_grace_seconds=_seconds(fact.empty_room_grace),
-        provision_timeout_seconds=_seconds(fact.provision_timeout),
-        stale_live_timeout_seconds=_seconds(fact.stale_live_timeout),
+        **_windows(fact.windows),
         updated_at=rfc3339(fact.updated_at),
         updated_by=fact.updated_by,
     )
@@ -300,9 +303,7 @@ def policy_unset(fact: ControlPolicyUnset) -> None:
         "control.policy_unset",
         level=logging.WARNING,
         tenant_id=fact.tenant_id,
-        empty_room_grace_seconds=_seconds(fact.empty_room_grace),
-        provision_timeout_seconds=_seconds(fact.provision_timeout),
-        stale_live_timeout_seconds=_seconds(fact.stale_live_timeout),
+        **_windows(fact.windows),
         unset_by=fact.unset_by,
     )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypedDict, TypeVar
@@ -324,6 +324,19 @@ class PhaseMassClosure:
     allowed: bool  # the operator's one-run override
 
 
+@logged("phase.unknown", logging.WARNING, fields=("run_id", "phase", "known"), logger="cycle")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseUnknown:
+    """A cycle's chain named a phase this release does not know (a newer
+    release's, during a rolling deploy): this worker went on with the chain
+    without it, and the run records it (reaper_runs.unknown_phases). Told once
+    per phase by each process."""
+
+    run_id: str
+    phase: str
+    known: tuple[str, ...]  # the phases this release knows, in their order
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseCompleted:
     run_id: str
@@ -448,12 +461,11 @@ class ControlResumed:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ControlPolicySet:
-    """A tenant's windows as stored after ``reaper policy set`` (None: the default)."""
+    """A tenant's windows as stored after ``reaper policy set``: every phase's, by
+    the Settings field of its default (``empty_room_grace``, ...; None: the default)."""
 
     tenant_id: str
-    empty_room_grace: timedelta | None = None
-    provision_timeout: timedelta | None = None
-    stale_live_timeout: timedelta | None = None
+    windows: Mapping[str, timedelta | None]
     updated_at: datetime
     updated_by: str
 
@@ -463,10 +475,7 @@ class ControlPolicyUnset:
     """A tenant's policy removed: its conferences get the defaults again."""
 
     tenant_id: str
-    # the windows it had
-    empty_room_grace: timedelta | None = None
-    provision_timeout: timedelta | None = None
-    stale_live_timeout: timedelta | None = None
+    windows: Mapping[str, timedelta | None]  # the windows it had, as ControlPolicySet's
     unset_by: str
 
 

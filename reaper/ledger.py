@@ -465,7 +465,7 @@ def read_topic(settings: Settings, topic: str, since: datetime) -> list[Record]:
             if partitions is None:
                 if time.monotonic() > deadline:
                     raise KafkaUnreadable(f"topic {topic} not found (no metadata) in time")
-                time.sleep(0.2)
+                time.sleep(budgets.LEDGER_POLL.total_seconds())
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
         ends = consumer.end_offsets(tps)
@@ -488,7 +488,7 @@ def read_topic(settings: Settings, topic: str, since: datetime) -> list[Record]:
                     f"topic {topic}: {len(records)} records read, the end not reached within "
                     f"{budgets.ledger_kafka_read(settings)} (budgets.ledger_kafka_read)"
                 )
-            polled = consumer.poll(timeout_ms=200)
+            polled = consumer.poll(timeout_ms=int(budgets.LEDGER_POLL.total_seconds() * 1000))
             for tp, batch in polled.items():
                 records.extend(
                     Record(

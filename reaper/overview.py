@@ -22,10 +22,9 @@ from reaper.config import Settings
 from reaper.control import TenantPolicy
 from reaper.db import transaction
 from reaper.phases import (
-    EMPTY_ROOM,
+    IN_ORDER,
     ORDER,
     PHASES,
-    PROVISION_TIMEOUT,
     Phase,
     bounds,
     mass_closure,
@@ -199,19 +198,14 @@ def format_status(data: dict[str, Any]) -> str:
 
 
 def _reason(phase: Phase, row: Any, window: timedelta, as_of: datetime) -> str:
-    """Why the room is eligible; its window is its tenant's when a policy sets one."""
+    """Why the room is eligible (its phase's ``reason``); its window is its
+    tenant's when a policy sets one."""
     window_text = human(window.total_seconds())
     if row.tenant_window is not None:
         window_text += ", tenant policy"
-    if phase is PROVISION_TIMEOUT:
-        age = human((as_of - row.created_at).total_seconds())
-        return f"Provisioning for {age} (timeout {window_text})"
-    idle = human((as_of - row.last_activity_at).total_seconds())
-    if phase is EMPTY_ROOM:
-        return f"empty, no activity for {idle} (grace {window_text})"
-    return (
-        f"no presence activity for {idle} with {row.active_participant_count} "
-        f"participant(s) (timeout {window_text})"
+    age = human((as_of - getattr(row, phase.since)).total_seconds())
+    return phase.reason.format(
+        age=age, window=window_text, participants=row.active_participant_count
     )
 
 
@@ -224,10 +218,10 @@ def plan(
         as_of = as_of or now
         counted = census(queries, settings, as_of)
         rows = queries.plan_candidates(
+            phases=IN_ORDER,
             as_of=as_of,
+            bounds=bounds(settings, as_of, tenant_windows(queries)),
             per_phase=per_phase,
-            phases=ORDER,
-            **bounds(settings, as_of, tenant_windows(queries)),
         )
         active = queries.active_count()
         paused = {row.phase: row.reason for row in queries.active_pauses(ORDER)}
@@ -276,7 +270,8 @@ def plan(
                 "last_activity_at": rfc3339(row.last_activity_at),
                 "created_at": rfc3339(row.created_at),
                 "active_participant_count": row.active_participant_count,
-                "anomaly": row.anomaly,
+                # a phase that fails its rooms gives them no duration anyway
+                "anomaly": row.anomaly if phase.ends_active else None,
             }
         )
     return {
@@ -341,7 +336,7 @@ WINDOWS = tuple(phase.setting for phase in PHASES.values())
 
 
 def _window_text(policy: Any, name: str, settings: Settings) -> str:
-    own = getattr(policy, name)
+    own = policy.windows.get(name)
     if own is not None:
         return human(own.total_seconds())
     return f"default ({human(getattr(settings, name).total_seconds())})"
@@ -349,7 +344,7 @@ def _window_text(policy: Any, name: str, settings: Settings) -> str:
 
 def format_policy(policy: Any, settings: Settings) -> str:
     """``TENANT: empty_room_grace 10m, provision_timeout default (2m), ...`` of a
-    policy, a ControlPolicySet or a ControlPolicyUnset."""
+    TenantPolicy, a ControlPolicySet or a ControlPolicyUnset (their ``windows``)."""
     windows = ", ".join(f"{name} {_window_text(policy, name, settings)}" for name in WINDOWS)
     return f"{policy.tenant_id}: {windows}"
 

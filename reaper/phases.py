@@ -1,4 +1,11 @@
-"""The three phases (docs/design.md#the-three-phases): what each selects, what it becomes.
+"""The phases (docs/design.md#the-three-phases), as data: what each selects, what it becomes.
+
+A phase is a :class:`Phase`: its predicate (the fragment ``<name>_selects`` in
+sql/queries.sql), the column its lateness counts from, its status and end
+reason, its default window and whether the mass-closure guard applies. Every
+statement about phases (the claims, the census, reaper plan, the recorder's
+claim) is composed from these (reaper/queries.py Source), and precedence
+between phases follows ``ORDER``.
 
 One call to :func:`reap_batch` is one set-based statement inside the caller's
 transaction; it returns what happened to each row it looked at, as the facts
@@ -18,27 +25,28 @@ from reaper.events import (
     PhaseCountKey,
     StopRequest,
 )
-from reaper.queries import Queries, ResultRow
+from reaper.queries import PhaseSql, Queries, ResultRow
 
 # Per phase, the shortest window any tenant policy sets (None: none does).
 Shortest = dict[str, timedelta | None]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Phase:
-    name: str
+class Phase(PhaseSql):
+    """One phase. Of :class:`PhaseSql`: ``name``, ``since`` (the column of
+    conference_sessions its lateness and its window count from), ``status`` and
+    ``end_reason`` (what its rooms become); its predicate is the fragment
+    ``<name>_selects`` of sql/queries.sql."""
+
     label: str  # its value of the outcome label of items_total (docs/design.md#metrics)
     count_key: PhaseCountKey  # its count in the cycle's result (events.Counts)
-    status: str
-    end_reason: str
     # the mass-closure guard applies (cycle.Reaper): a presence outage looks like this
     guarded: bool = False
-
-    # the column of messenger.reaper_tenant_policies (and of Settings) that holds
-    # a tenant's own window for this phase (docs/design.md#windows-per-tenant)
+    # the field of Settings that holds its default window; a tenant's own window
+    # for it is a row of messenger.reaper_tenant_windows (docs/design.md#windows-per-tenant)
     setting: str = ""
-    # the prefix of its bounds in sql/queries.sql (:empty_cutoff, :empty_range)
-    param: str = ""
+    # why reaper plan lists a room: {age} since ``since``, {window}, {participants}
+    reason: str = ""
 
     @property
     def ends_active(self) -> bool:
@@ -68,36 +76,41 @@ class Phase:
 
 EMPTY_ROOM = Phase(
     name="empty_room",
-    label="empty_timeout",
-    count_key="empty_timeout_count",
+    since="last_activity_at",
     status="Ended",
     end_reason="EmptyTimeout",
+    label="empty_timeout",
+    count_key="empty_timeout_count",
     setting="empty_room_grace",
-    param="empty",
+    reason="empty, no activity for {age} (grace {window})",
 )
 PROVISION_TIMEOUT = Phase(
     name="provision_timeout",
-    label="provision_failed",
-    count_key="provision_failed_count",
+    since="created_at",
     status="Failed",
     end_reason="Error",
+    label="provision_failed",
+    count_key="provision_failed_count",
     setting="provision_timeout",
-    param="provision",
+    reason="Provisioning for {age} (timeout {window})",
 )
 STALE_LIVE = Phase(
     name="stale_live",
-    label="stale_timeout",
-    count_key="stale_timeout_count",
+    since="last_activity_at",
     status="Ended",
     end_reason="Timeout",
+    label="stale_timeout",
+    count_key="stale_timeout_count",
     guarded=True,
     setting="stale_live_timeout",
-    param="stale",
+    reason="no presence activity for {age} with {participants} participant(s) (timeout {window})",
 )
 
 # A transition is terminal, so a room closed by an earlier phase is invisible to
-# the later ones; this order is the design's (docs/design.md#order-and-batches).
-PHASES: dict[str, Phase] = {p.name: p for p in (EMPTY_ROOM, PROVISION_TIMEOUT, STALE_LIVE)}
+# the later ones; this order is the design's (docs/design.md#order-and-batches),
+# and the census and reaper plan count a room in the first phase that selects it.
+IN_ORDER: tuple[Phase, ...] = (EMPTY_ROOM, PROVISION_TIMEOUT, STALE_LIVE)
+PHASES: dict[str, Phase] = {p.name: p for p in IN_ORDER}
 ORDER: tuple[str, ...] = tuple(PHASES)
 
 
@@ -112,23 +125,23 @@ def mass_closure(eligible: int, active: int, settings: Settings) -> bool:
 
 
 def tenant_windows(queries: Queries) -> Shortest:
-    """Per phase, the shortest window any tenant policy sets (None: none does):
-    with the default, it bounds the phase's index range (Phase.range_cutoff)."""
-    row = queries.tenant_window_bounds()
-    return {name: getattr(row, name) for name in ORDER}
+    """Per phase, the shortest window any tenant sets (None: none does): with
+    the default, it bounds the phase's index range (Phase.range_cutoff)."""
+    shortest = queries.tenant_window_bounds()
+    return {name: shortest.get(name) for name in ORDER}
 
 
 def cutoffs(settings: Settings, as_of: datetime) -> dict[str, datetime]:
-    """Every phase's default cutoff, as the statements name it (:empty_cutoff, ...)."""
-    return {f"{p.param}_cutoff": p.cutoff(settings, as_of) for p in PHASES.values()}
+    """Every phase's default cutoff, as the statements name it (:empty_room_cutoff, ...)."""
+    return {f"{p.name}_cutoff": p.cutoff(settings, as_of) for p in IN_ORDER}
 
 
 def bounds(settings: Settings, as_of: datetime, shortest: Shortest) -> dict[str, datetime]:
     """Every phase's default cutoff and the end of its index range (its widest
-    cutoff), as the statements name them (:empty_cutoff, :empty_range, ...): a
-    statement selects any phase's rooms by these (the fragments <phase>_rooms)."""
+    cutoff), as the statements name them (:empty_room_cutoff, :empty_room_range,
+    ...): a statement selects any phase's rooms by these (the fragment phase_rooms)."""
     return cutoffs(settings, as_of) | {
-        f"{p.param}_range": p.range_cutoff(settings, as_of, shortest) for p in PHASES.values()
+        f"{p.name}_range": p.range_cutoff(settings, as_of, shortest) for p in IN_ORDER
     }
 
 
@@ -182,7 +195,7 @@ def candidates(
     """The ids the next batch of ``phase`` would claim (to isolate a refused row)."""
     shortest = tenant_windows(queries) if shortest is None else shortest
     return queries.batch_candidates(
-        phase=phase.name,
+        phase=phase,
         as_of=as_of,
         bounds=bounds(settings, as_of, shortest),
         batch_size=settings.batch_size,
@@ -209,9 +222,9 @@ def reap_batch(
     here, in the batch's transaction, when not given."""
     shortest = tenant_windows(queries) if shortest is None else shortest
     cutoffs = bounds(settings, as_of, shortest)
-    if phase is PROVISION_TIMEOUT:
+    if not phase.ends_active:
         rows = queries.fail_provisioning_batch(
-            phase=phase.name,
+            phase=phase,
             as_of=as_of,
             bounds=cutoffs,
             batch_size=settings.batch_size,
@@ -222,7 +235,7 @@ def reap_batch(
         )
     else:
         rows = queries.end_active_batch(
-            phase=phase.name,
+            phase=phase,
             as_of=as_of,
             bounds=cutoffs,
             batch_size=settings.batch_size,
@@ -230,7 +243,6 @@ def reap_batch(
             only=only,
             run_id=run_id,
             holder_pid=holder_pid,
-            end_reason=phase.end_reason,
             topic=settings.conference_ended_topic,
         )
     return effect_of(rows, phase, run_id)

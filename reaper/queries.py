@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
@@ -26,14 +27,49 @@ _INCLUDE = re.compile(
 )
 # where a fragment's argument stands in its text: "{a}"
 _PLACEHOLDER = re.compile(r"\{(?P<name>[a-z_]+)\}")
-_PHASES = re.compile(r"\A-- phases: (?P<phases>[a-z_]+(?: [a-z_]+)*)[ \t]*\n")
+# "-- for each phase": a query written once per phase (or once per phase whose
+# rooms become, or do not become, a status: "-- for each phase becoming Ended")
+_FOR_EACH = re.compile(
+    r"\A-- for each phase(?: (?P<not>not )?becoming (?P<status>[A-Za-z]+))?[ \t]*\n"
+)
+# "-- include each phase: x", "-- include each earlier phase joined by UNION ALL: x"
+_INCLUDE_EACH = re.compile(
+    r"^[ \t]*-- include each (?P<which>phase|earlier phase)"
+    r"(?: joined by (?P<joint>[A-Z][A-Z ]*[A-Z]|,))?: (?P<name>[a-z_]+)[ \t]*$",
+    re.MULTILINE,
+)
 # a fragment's own comment lines (not an include that begins it)
-_LEADING_COMMENT = re.compile(r"\A(?:--(?! include:)[^\n]*\n)+")
+_LEADING_COMMENT = re.compile(r"\A(?:--(?! include)[^\n]*\n)+")
 PHASE = "{phase}"
+# what a phase's values stand for in a statement written for it (PhaseSql)
+_BOUND = ("phase", "since", "status", "end_reason")
 
 # A row of any query: its columns are the statement's, which the type checker
 # does not read.
 ResultRow = Row[*tuple[Any, ...]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseSql:
+    """What a statement written for a phase takes of it (reaper/phases.py's Phase
+    is one): in such a statement ``{phase}`` stands for its name, ``{since}`` for
+    the column of conference_sessions its lateness counts from, ``{status}`` and
+    ``{end_reason}`` for what its rooms become; and ``-- include:
+    {phase}_selects`` for its predicate, the one fragment a phase writes in
+    sql/queries.sql."""
+
+    name: str
+    since: str
+    status: str
+    end_reason: str
+
+    def binds(self) -> dict[str, str]:
+        values = {"phase": self.name, "since": self.since, "status": self.status}
+        values["end_reason"] = self.end_reason
+        for key, value in values.items():
+            if not re.fullmatch(r"[A-Za-z_]+", value):  # pasted into SQL: a name only
+                raise ValueError(f"phase {self.name!r}: {key} {value!r} is not a plain name")
+        return values
 
 
 class OutboxRow(NamedTuple):
@@ -54,12 +90,16 @@ class OutboxRow(NamedTuple):
 
 
 def phase_statement(name: str, phase: str) -> str:
-    """The key of a query written once per phase (``-- phases:``), for that phase."""
+    """The key of a query written once per phase (``-- for each phase``), for that phase."""
     return f"{name}[{phase}]"
 
 
-def parse(source: str) -> dict[str, str]:
-    """Split a ``-- name: x`` annotated file into ``{name: sql}``.
+class NeedsPhases(ValueError):
+    """A statement over the phases, asked for without them."""
+
+
+class Source:
+    """A ``-- name: x`` annotated file, split into its queries and fragments.
 
     A ``-- fragment: y`` block is SQL written once for several queries: a line
     ``-- include: y`` (indented or not) in a query or in another fragment stands
@@ -74,73 +114,156 @@ def parse(source: str) -> dict[str, str]:
     include in ``y`` may pass ``a`` on. So one lock test serves every lock,
     each lock's key written once (``lock_held(relay_lock)``).
 
-    A query whose first line is ``-- phases: a b`` is written once per phase, as
-    ``x[a]`` and ``x[b]`` (:func:`phase_statement`): in it, ``-- include:
-    {phase}_y`` stands for the fragment ``a_y``, then ``b_y``. So each phase's
-    statement holds that phase's predicate and no other, and the server parses
-    and plans only what runs.
-    """
-    headers = list(_HEADER.finditer(source))
-    blocks: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
-    takes: dict[str, tuple[str, ...]] = {}  # a fragment's arguments, by name
-    for header, following in zip(headers, [*headers[1:], None], strict=True):
-        end = following.start() if following else len(source)
-        kind, name = header["kind"], header["name"]
-        if name in blocks[kind]:
-            raise ValueError(f"{kind} {name!r} is defined twice in {QUERIES_FILE.name}")
-        if header["args"] and kind == "name":
-            raise ValueError(f"query {name!r} takes arguments: only a fragment may")
-        blocks[kind][name] = source[header.end() : end].strip()
-        takes[name] = _names(header["args"])
-    fragments = blocks["fragment"]
+    The phases are data (reaper/phases.py); a statement is written for them:
 
-    def text_of(name: str, within: tuple[str, ...]) -> str:
-        if name not in fragments:
+    - a query whose first line is ``-- for each phase`` is written once per
+      phase, as ``x[a]`` (:func:`phase_statement`), each holding that phase's
+      predicate and no other, so the server parses and plans only what runs;
+      ``-- for each phase becoming Ended`` (``not becoming Ended``) only for the
+      phases whose rooms become (do not become) Ended;
+    - ``-- include each phase: y`` stands for ``y`` written for each phase in
+      their order, ``-- include each earlier phase: y`` for each phase before
+      the one the statement is written for (nothing for the first), and
+      ``joined by UNION ALL`` puts those words between them. So a phase's
+      precedence follows the order, never an exclusion written by hand.
+
+    In text written for a phase, ``{phase}``, ``{since}``, ``{status}`` and
+    ``{end_reason}`` stand for its values (:class:`PhaseSql`), and ``--
+    include: {phase}_y`` for its own fragment ``<name>_y``.
+    """
+
+    def __init__(self, source: str) -> None:
+        headers = list(_HEADER.finditer(source))
+        blocks: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
+        self.takes: dict[str, tuple[str, ...]] = {}  # a fragment's arguments, by name
+        for header, following in zip(headers, [*headers[1:], None], strict=True):
+            end = following.start() if following else len(source)
+            kind, name = header["kind"], header["name"]
+            if name in blocks[kind]:
+                raise ValueError(f"{kind} {name!r} is defined twice in {QUERIES_FILE.name}")
+            if header["args"] and kind == "name":
+                raise ValueError(f"query {name!r} takes arguments: only a fragment may")
+            blocks[kind][name] = source[header.end() : end].strip()
+            self.takes[name] = _names(header["args"])
+        self.fragments = blocks["fragment"]
+        self.queries = blocks["name"]
+
+    def per_phase(self, name: str) -> bool:
+        """Whether the query is written once per phase."""
+        return _FOR_EACH.match(self.queries[name]) is not None
+
+    def written_for(self, name: str, phase: PhaseSql) -> bool:
+        """Whether the query, written once per phase, is written for ``phase``:
+        ``becoming X`` for a phase whose rooms become X, ``not becoming X`` for
+        the others."""
+        found = _FOR_EACH.match(self.queries[name])
+        if found is None or found["status"] is None:
+            return found is not None
+        return (phase.status == found["status"]) != bool(found["not"])
+
+    def statement(
+        self, name: str, phase: PhaseSql | None = None, order: Sequence[PhaseSql] = ()
+    ) -> str:
+        """The query ``name`` with its includes expanded: for ``phase`` when it is
+        written once per phase, over the phases ``order`` when it includes each."""
+        if name not in self.queries:
+            raise ValueError(f"no query {name!r} in {QUERIES_FILE.name}")
+        body = self.queries[name]
+        found = _FOR_EACH.match(body)
+        if (found is not None) != (phase is not None):
+            raise ValueError(f"query {name!r} is written once per phase: give the phase")
+        if found is not None:
+            assert phase is not None
+            if not self.written_for(name, phase):
+                raise ValueError(f"query {name!r} is not written for phase {phase.name!r}")
+            body = body[found.end() :]
+        return self._expand(body, (), phase, {}, tuple(order))
+
+    def _text_of(self, name: str, within: tuple[str, ...]) -> str:
+        if name not in self.fragments:
             raise ValueError(f"include of an unknown fragment {name!r} in {QUERIES_FILE.name}")
         if name in within:
             raise ValueError(f"fragment {name!r} includes itself in {QUERIES_FILE.name}")
-        return _LEADING_COMMENT.sub("", fragments[name] + "\n").rstrip("\n")
+        return _LEADING_COMMENT.sub("", self.fragments[name] + "\n").rstrip("\n")
 
-    def expand(sql: str, within: tuple[str, ...], phase: str | None, given: dict[str, str]) -> str:
+    def _expand(
+        self,
+        sql: str,
+        within: tuple[str, ...],
+        phase: PhaseSql | None,
+        given: dict[str, str],
+        order: tuple[PhaseSql, ...],
+    ) -> str:
         def include(match: re.Match[str]) -> str:
             name = match["name"]
             if PHASE in name:
                 if phase is None:
                     raise ValueError(
-                        f"include of {name!r} outside a query with '-- phases:'"
+                        f"include of {name!r} outside a statement written for a phase"
                         f" in {QUERIES_FILE.name}"
                     )
-                name = name.replace(PHASE, phase)
-            body = text_of(name, within)
+                name = name.replace(PHASE, phase.name)
+            body = self._text_of(name, within)
             # an argument is a fragment's name, or passes on one the includer was given
             args = [given.get(arg, arg) for arg in _names(match["args"])]
-            if len(args) != len(takes[name]):
+            if len(args) != len(self.takes[name]):
                 raise ValueError(
-                    f"fragment {name!r} takes ({', '.join(takes[name])}),"
+                    f"fragment {name!r} takes ({', '.join(self.takes[name])}),"
                     f" given ({', '.join(args)}) in {QUERIES_FILE.name}"
                 )
-            arguments = dict(zip(takes[name], args, strict=True))
+            arguments = dict(zip(self.takes[name], args, strict=True))
             if arguments:
                 inner = (*within, name)
                 values = {
-                    param: expand(text_of(arg, inner), inner, phase, {})
+                    param: self._expand(self._text_of(arg, inner), inner, phase, {}, order)
                     for param, arg in arguments.items()
                 }
                 body = _PLACEHOLDER.sub(lambda found: _argument(found, name, values), body)
-            return expand(body, (*within, name), phase, arguments)
+            return self._expand(body, (*within, name), phase, arguments, order)
 
-        return _INCLUDE.sub(include, sql)
+        def include_each(match: re.Match[str]) -> str:
+            name, phases = match["name"], order
+            if not phases:
+                raise NeedsPhases(f"include of each phase without the phases ({name!r})")
+            if match["which"] == "earlier phase":
+                if phase is None or phase not in order:
+                    raise ValueError("include of each earlier phase outside one of the phases")
+                phases = order[: order.index(phase)]
+            body = self._text_of(name, within)
+            joint = f"\n{match['joint']}\n" if match["joint"] else "\n"
+            return joint.join(
+                self._expand(body, (*within, name), each, {}, order) for each in phases
+            )
 
-    queries: dict[str, str] = {}
-    for name, sql in blocks["name"].items():
-        phases = _PHASES.match(sql)
-        if phases is None:
-            queries[name] = expand(sql, (), None, {})
-            continue
-        body = sql[phases.end() :]
-        for phase in phases["phases"].split():
-            queries[phase_statement(name, phase)] = expand(body, (), phase, {})
-    return queries
+        sql = _INCLUDE_EACH.sub(include_each, sql)
+        sql = _INCLUDE.sub(include, sql)
+        if phase is not None:
+            values = phase.binds()
+            sql = _PLACEHOLDER.sub(lambda found: values.get(found["name"], found[0]), sql)
+        return sql
+
+    def written(self, order: Sequence[PhaseSql]) -> dict[str, str]:
+        """Every statement, as written for the phases ``order``: a query written
+        once per phase under ``x[phase]``, the others under their names."""
+        statements: dict[str, str] = {}
+        for name in self.queries:
+            if self.per_phase(name):
+                for phase in order:
+                    if self.written_for(name, phase):
+                        key = phase_statement(name, phase.name)
+                        statements[key] = self.statement(name, phase, order)
+                continue
+            try:
+                statements[name] = self.statement(name, None, order)
+            except NeedsPhases:
+                if order:
+                    raise
+        return statements
+
+
+def parse(source: str, order: Sequence[PhaseSql] = ()) -> dict[str, str]:
+    """Every statement of an annotated file (:class:`Source`), written for ``order``."""
+    return Source(source).written(order)
 
 
 def _names(args: str | None) -> tuple[str, ...]:
@@ -149,9 +272,9 @@ def _names(args: str | None) -> tuple[str, ...]:
 
 def _argument(placeholder: re.Match[str], fragment: str, values: dict[str, str]) -> str:
     """What ``{a}`` in a fragment's text stands for: its argument ``a``'s text;
-    ``{phase}`` is left to the includes of a query with ``-- phases:``."""
-    if placeholder[0] == PHASE:
-        return PHASE
+    a phase's values are left to the statement written for it."""
+    if placeholder["name"] in _BOUND:
+        return placeholder[0]
     if placeholder["name"] not in values:
         raise ValueError(
             f"fragment {fragment!r} has {placeholder[0]}, not one of its arguments"
@@ -161,17 +284,36 @@ def _argument(placeholder: re.Match[str], fragment: str, values: dict[str, str])
 
 
 @cache
-def load() -> dict[str, TextClause]:
-    return {name: text(sql) for name, sql in parse(QUERIES_FILE.read_text()).items()}
+def source() -> Source:
+    return Source(QUERIES_FILE.read_text())
+
+
+@cache
+def load(order: tuple[PhaseSql, ...] = ()) -> dict[str, TextClause]:
+    """Every statement, written for the phases ``order`` (reaper/phases.py IN_ORDER)."""
+    return {name: text(sql) for name, sql in source().written(order).items()}
+
+
+@cache
+def statement(name: str, phase: PhaseSql | None, order: tuple[PhaseSql, ...]) -> TextClause:
+    """One statement as :meth:`Source.statement` writes it, compiled once."""
+    return text(source().statement(name, phase, order))
 
 
 def _run(conn: Connection, name: str, **params: Any) -> CursorResult[Any]:
-    return conn.execute(load()[name], params)
+    return conn.execute(statement(name, None, ()), params)
 
 
-def _run_phase(conn: Connection, name: str, phase: str, **params: Any) -> CursorResult[Any]:
-    """A query written once per phase (``-- phases:``): ``phase``'s statement."""
-    return conn.execute(load()[phase_statement(name, phase)], params)
+def _run_phase(conn: Connection, name: str, phase: PhaseSql, **params: Any) -> CursorResult[Any]:
+    """A query written once per phase (``-- for each phase``): ``phase``'s statement."""
+    return conn.execute(statement(name, phase, ()), params)
+
+
+def _run_phases(
+    conn: Connection, name: str, order: Sequence[PhaseSql], **params: Any
+) -> CursorResult[Any]:
+    """A query over every phase (``-- include each phase``), written for ``order``."""
+    return conn.execute(statement(name, None, tuple(order)), params)
 
 
 class Queries:
@@ -290,6 +432,9 @@ class Queries:
             errors=errors,
         ).rowcount
 
+    def record_unknown_phase(self, run_id: str, phase: str) -> int:
+        return _run(self.conn, "record_unknown_phase", run_id=run_id, phase=phase).rowcount
+
     def count_run_error(self, run_id: str) -> int:
         return _run(self.conn, "count_run_error", run_id=run_id).rowcount
 
@@ -305,10 +450,9 @@ class Queries:
     def end_active_batch(
         self,
         *,
-        phase: str,
+        phase: PhaseSql,
         as_of: datetime,
         bounds: Mapping[str, datetime],
-        end_reason: str,
         batch_size: int,
         excluded: list[str],
         only: list[str] | None,
@@ -323,7 +467,6 @@ class Queries:
                 phase,
                 as_of=as_of,
                 **bounds,
-                end_reason=end_reason,
                 batch_size=batch_size,
                 excluded=excluded,
                 only=only,
@@ -336,7 +479,7 @@ class Queries:
     def fail_provisioning_batch(
         self,
         *,
-        phase: str,
+        phase: PhaseSql,
         as_of: datetime,
         bounds: Mapping[str, datetime],
         batch_size: int,
@@ -363,7 +506,7 @@ class Queries:
     def batch_candidates(
         self,
         *,
-        phase: str,
+        phase: PhaseSql,
         as_of: datetime,
         bounds: Mapping[str, datetime],
         batch_size: int,
@@ -382,10 +525,17 @@ class Queries:
             ).scalars()
         )
 
-    def stale_live_eligible(self, *, as_of: datetime, cutoff: datetime, excluded: list[str]) -> int:
-        """The Active rooms stale_live would end now (the mass-closure guard)."""
-        row = _run(
-            self.conn, "stale_live_eligible", as_of=as_of, stale_cutoff=cutoff, excluded=excluded
+    def guard_eligible(
+        self,
+        *,
+        phase: PhaseSql,
+        as_of: datetime,
+        bounds: Mapping[str, datetime],
+        excluded: list[str],
+    ) -> int:
+        """The rooms a guarded phase would end now (the mass-closure guard)."""
+        row = _run_phase(
+            self.conn, "guard_eligible", phase, as_of=as_of, **bounds, excluded=excluded
         )
         return int(row.scalar_one())
 
@@ -407,14 +557,22 @@ class Queries:
         ).rowcount
 
     def claim_stops_due(
-        self, *, window_s: float, lease_s: float, limit: int, holder_pid: int | None
+        self,
+        *,
+        phases: Sequence[PhaseSql],
+        window_s: float,
+        lease_s: float,
+        limit: int,
+        holder_pid: int | None,
     ) -> list[ResultRow]:
-        """The due signals, claimed; none once the stop lock is no longer held by
-        ``holder_pid`` (None: a pass that takes no lock)."""
+        """The due signals of rooms the ``phases`` ended, claimed; none once the
+        stop lock is no longer held by ``holder_pid`` (None: a pass that takes no
+        lock)."""
         return list(
-            _run(
+            _run_phases(
                 self.conn,
                 "claim_stops_due",
+                phases,
                 window_s=window_s,
                 lease_s=lease_s,
                 limit=limit,
@@ -547,48 +705,28 @@ class Queries:
     # -- operations: metrics, reaper status / plan ----------------------------
 
     def eligible_census(
-        self,
-        *,
-        as_of: datetime,
-        empty_cutoff: datetime,
-        provision_cutoff: datetime,
-        stale_cutoff: datetime,
-    ) -> ResultRow:
-        return _run(
-            self.conn,
-            "eligible_census",
-            as_of=as_of,
-            empty_cutoff=empty_cutoff,
-            provision_cutoff=provision_cutoff,
-            stale_cutoff=stale_cutoff,
-        ).one()
+        self, *, phases: Sequence[PhaseSql], as_of: datetime, bounds: Mapping[str, datetime]
+    ) -> list[ResultRow]:
+        """One row per phase, in their order: ``phase``, ``n``, ``since``."""
+        return list(_run_phases(self.conn, "eligible_census", phases, as_of=as_of, **bounds))
 
     def plan_candidates(
         self,
         *,
+        phases: Sequence[PhaseSql],
         as_of: datetime,
-        empty_cutoff: datetime,
-        provision_cutoff: datetime,
-        stale_cutoff: datetime,
-        empty_range: datetime,
-        provision_range: datetime,
-        stale_range: datetime,
+        bounds: Mapping[str, datetime],
         per_phase: int,
-        phases: Sequence[str],
     ) -> list[ResultRow]:
         return list(
-            _run(
+            _run_phases(
                 self.conn,
                 "plan_candidates",
+                phases,
                 as_of=as_of,
-                empty_cutoff=empty_cutoff,
-                provision_cutoff=provision_cutoff,
-                stale_cutoff=stale_cutoff,
-                empty_range=empty_range,
-                provision_range=provision_range,
-                stale_range=stale_range,
+                **bounds,
                 per_phase=per_phase,
-                phases=list(phases),
+                phases=[phase.name for phase in phases],
             )
         )
 
@@ -611,35 +749,29 @@ class Queries:
     def resume_phases(self, phases: list[str]) -> list[ResultRow]:
         return list(_run(self.conn, "resume_phases", phases=phases))
 
-    def set_tenant_policy(
-        self,
-        tenant_id: str,
-        *,
-        empty_room_grace_s: float | None,
-        provision_timeout_s: float | None,
-        stale_live_timeout_s: float | None,
-        by: str,
-    ) -> ResultRow:
-        """The given windows merged into the tenant's policy; the row as stored."""
-        return _run(
+    def set_tenant_window(self, tenant_id: str, *, phase: str, window_s: float, by: str) -> None:
+        """The tenant's window for ``phase``, replacing the one it had (locked
+        until the caller's transaction ends)."""
+        _run(
             self.conn,
-            "set_tenant_policy",
+            "set_tenant_window",
             tenant_id=tenant_id,
-            empty_room_grace_s=empty_room_grace_s,
-            provision_timeout_s=provision_timeout_s,
-            stale_live_timeout_s=stale_live_timeout_s,
+            phase=phase,
+            window_s=window_s,
             by=by,
-        ).one()
+        )
 
-    def unset_tenant_policy(self, tenant_id: str) -> ResultRow | None:
-        """The removed policy, or None when the tenant had none."""
-        return _run(self.conn, "unset_tenant_policy", tenant_id=tenant_id).one_or_none()
+    def unset_tenant_windows(self, tenant_id: str) -> list[ResultRow]:
+        """The windows the tenant had, removed (none: it had none)."""
+        return list(_run(self.conn, "unset_tenant_windows", tenant_id=tenant_id))
 
-    def tenant_window_bounds(self) -> ResultRow:
-        return _run(self.conn, "tenant_window_bounds").one()
+    def tenant_window_bounds(self) -> dict[str, timedelta]:
+        """Per phase, the shortest window any tenant sets (a phase none sets: absent)."""
+        return {row.phase: row.shortest for row in _run(self.conn, "tenant_window_bounds")}
 
-    def tenant_policies(self) -> list[ResultRow]:
-        return list(_run(self.conn, "tenant_policies"))
+    def tenant_windows(self, tenant_id: str | None = None) -> list[ResultRow]:
+        """A tenant's windows (None: every tenant's), one row per tenant and phase."""
+        return list(_run(self.conn, "tenant_windows", tenant_id=tenant_id))
 
     def tenant_policy_count(self) -> int:
         return int(_run(self.conn, "tenant_policy_count").scalar_one())

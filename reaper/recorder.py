@@ -51,6 +51,7 @@ from reaper.events import (
 )
 from reaper.lease import PassLock, pass_lock
 from reaper.logs import get_logger, log
+from reaper.phases import IN_ORDER
 from reaper.queries import Queries
 
 logger = get_logger("recorder")
@@ -331,6 +332,7 @@ class StopPass:
     def _claim(self, lock: PassLock, lease_s: float) -> list[StopRequest]:
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             rows = queries.claim_stops_due(
+                phases=IN_ORDER,
                 window_s=self.settings.recorder_retry_window.total_seconds(),
                 lease_s=lease_s,
                 limit=self.CLAIM_LIMIT,

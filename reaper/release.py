@@ -24,9 +24,9 @@ from importlib.metadata import version as _distribution_version
 
 DISTRIBUTION = "conference-room-reaper"
 # The oldest schema this release runs on: its expand migrations applied.
-SCHEMA_NEEDED = "0014"
+SCHEMA_NEEDED = "0015"
 # The newest it knows: its contract migrations applied too (the migrations' head).
-SCHEMA_KNOWN = "0014"
+SCHEMA_KNOWN = "0016"
 # The exit status of a process that refuses the schema it found (the CLI, the
 # worker, beat): apart from 1 (the database failed) and 2 (configuration, usage).
 EXIT_SCHEMA = 3

@@ -349,6 +349,11 @@ class Runs:
         except SQLAlchemyError:
             pass
 
+    def record_unknown(self, run_id: str, phase: str) -> None:
+        """The run's chain named ``phase``, which this release does not know."""
+        with transaction(self.engine, budgets.quick(self.settings)) as queries:
+            queries.record_unknown_phase(run_id, phase)
+
     def claim(self, run_id: str, phase: str) -> PhaseClaim | None:
         """The run lock and the run's state for one of its phases; None when the
         run is no longer this cycle's (taken over, or ended)."""

@@ -89,18 +89,21 @@ def reap_phase(
     cycle: str | None = None,
 ) -> CycleResult | PhaseResult:
     """One phase. ``of_run`` (the run id a cycle's chain passes): that cycle's phase,
-    which does nothing if the run is no longer the cycle's. Otherwise, by hand: a
-    cycle of this phase alone (``as_of``, ``run_id`` as for ``reaper.reap``).
+    which does nothing if the run is no longer the cycle's, nor for a phase this
+    release does not know (Reaper.run_phase). Otherwise, by hand: a cycle of this
+    phase alone (``as_of``, ``run_id`` as for ``reaper.reap``).
 
     ``cycle`` is ``of_run`` under the name a worker of the release before this one
     queues it with: during a rolling deploy such a chain reaches a new worker (its
     messages expire within REAPER_LOCK_TTL)."""
-    if phase not in PHASES:
-        raise ValueError(f"unknown phase {phase!r}; one of {', '.join(ORDER)}")
     reaper = get_reaper()
     of_run = of_run or cycle
     if of_run is not None:
+        # a phase this release does not know (a newer release's chain): left
+        # out, recorded in the run, and the chain goes on
         return reaper.run_phase(phase, of_run)
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; one of {', '.join(ORDER)}")
     return reaper.run_cycle(as_of, run_id, phases=[phase])
 
 

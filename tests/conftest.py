@@ -51,7 +51,7 @@ pytest_plugins = ("tests.support.runner",)
 
 TABLES = (
     "messenger.reaper_pauses",
-    "messenger.reaper_tenant_policies",
+    "messenger.reaper_tenant_windows",
     "messenger.reaper_runs",
     "messenger.realtime_outbox",
     "messenger.integration_outbox",

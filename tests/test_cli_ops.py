@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, event, make_url, text
 
+from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.overview import plan
+from reaper.phases import IN_ORDER, ORDER, STALE_LIVE, cutoffs
 from reaper.queries import Queries
 from reaper.release import SCHEMA_KNOWN, SCHEMA_NEEDED, version
 from tests.support import factory as f
@@ -192,7 +194,7 @@ def test_plan_and_status_commands_print_text_and_json(engine):
         f" {SCHEMA_KNOWN}"
     ) in cli("status").stdout.splitlines()
     assert cli("--version").stdout == f"reaper {version()}\n"
-    assert set(status["phases"]) == {"empty_room", "provision_timeout", "stale_live"}
+    assert set(status["phases"]) == set(ORDER)
     # status is "now": every seeded window is long past
     assert status["active_backlog"] == sum(p["eligible"] for p in status["phases"].values())
     assert status["phases"]["provision_timeout"]["eligible"] == 3
@@ -283,14 +285,16 @@ def test_sql_prints_what_the_query_class_sends(engine):
         with engine.begin() as conn:
             queries = Queries(conn)
             sent.clear()
-            queries.eligible_census(as_of=at, empty_cutoff=at, provision_cutoff=at, stale_cutoff=at)
-            queries.stale_live_eligible(as_of=at, cutoff=at, excluded=[])
+            queries.eligible_census(phases=IN_ORDER, as_of=at, bounds=cutoffs(Settings(), at))
+            queries.guard_eligible(
+                phase=STALE_LIVE, as_of=at, bounds=cutoffs(Settings(), at), excluded=[]
+            )
     finally:
         event.remove(engine, "before_cursor_execute", capture)
-    census, stale = sent
+    census, guard = sent
     expected = {
-        "eligible_census": (census, "as_of, empty_cutoff, provision_cutoff, stale_cutoff"),
-        "stale_live_eligible": (stale, "stale_cutoff, as_of, excluded"),
+        "eligible_census": (census, ", ".join(["as_of", *(f"{p}_cutoff" for p in ORDER)])),
+        "guard_eligible[stale_live]": (guard, "stale_live_cutoff, as_of, excluded"),
     }
     for name, (statement, parameters) in expected.items():
         done = cli("sql", name)

@@ -32,6 +32,7 @@ from reaper.events import (
     PhaseResult,
 )
 from reaper.phases import ORDER, PHASES
+from reaper.queries import source
 from reaper.runs import COUNT_KEYS, Start, unowned_result
 from tests.support import factory as f
 from tests.support.factory import T0
@@ -146,9 +147,13 @@ def test_a_phase_names_its_setting_label_and_count_once() -> None:
     for phase in PHASES.values():
         assert phase.setting in Settings.model_fields, phase
         assert isinstance(phase.window(Settings()), timedelta)
-    for attribute in ("name", "label", "count_key", "setting", "param"):
+    for attribute in ("name", "label", "count_key", "setting"):
         values = [getattr(p, attribute) for p in PHASES.values()]
         assert len(set(values)) == len(values), attribute
+    # its predicate is its one fragment of sql/queries.sql
+    fragments = source().fragments
+    for phase in PHASES.values():
+        assert f"{phase.name}_selects" in fragments, phase.name
 
 
 # -- a cycle against the session database ----------------------------------------
@@ -168,7 +173,7 @@ def test_a_cycle_tells_its_start_its_phases_in_order_and_its_end(
         for fact in facts.facts
         if type(fact) in (CycleStarted, PhaseCompleted, PhaseFailed, CycleCompleted)
     ]
-    assert kinds == [CycleStarted, PhaseCompleted, PhaseCompleted, PhaseCompleted, CycleCompleted]
+    assert kinds == [CycleStarted, *[PhaseCompleted] * len(ORDER), CycleCompleted]
     assert [p.phase for p in facts.of(PhaseCompleted)] == list(ORDER)
     assert {fact.run_id for fact in facts.facts if hasattr(fact, "run_id")} == {result["run_id"]}
     (finished,) = facts.of(CycleCompleted)

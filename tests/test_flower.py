@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from reaper.phases import ORDER
 from tests.support import factory as f
 from tests.support.ports import free_port, wait_for_port
 from tests.support.processes import ROOT, Worker, wait_until
@@ -132,10 +133,7 @@ def test_flower_shows_a_cycle_and_its_three_phases(engine, tmp_path, kafka_broke
         assert "'empty_timeout_count': 1" in reap["result"]
         assert "'provision_failed_count': 1" in reap["result"]
         # one task per phase, each named in its arguments as Flower shows them
-        shown = [
-            {n for n in ("empty_room", "provision_timeout", "stale_live") if n in p["args"]}
-            for p in phases
-        ]
+        shown = [{n for n in ORDER if n in p["args"]} for p in phases]
         assert sorted(n for names in shown for n in names) == [
             "empty_room",
             "provision_timeout",

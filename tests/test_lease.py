@@ -17,6 +17,7 @@ from reaper import budgets
 from reaper.config import Settings
 from reaper.db import begin
 from reaper.lease import Heartbeat, pass_lock
+from reaper.phases import IN_ORDER
 from reaper.queries import Queries
 
 
@@ -132,7 +133,9 @@ def test_the_stop_lock_is_held_and_fenced_the_same_way(settings, engine):
             window = 365 * 86400
             for pid in (lock.holder_pid, lock.holder_pid + 1, None):
                 assert (
-                    queries.claim_stops_due(window_s=window, lease_s=1, limit=1, holder_pid=pid)
+                    queries.claim_stops_due(
+                        phases=IN_ORDER, window_s=window, lease_s=1, limit=1, holder_pid=pid
+                    )
                     == []
                 )  # nothing due here: the statement runs with either fence
                 conn.rollback()

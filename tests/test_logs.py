@@ -136,6 +136,7 @@ WHEN = datetime(2026, 12, 6, 3, 0, 0, 123456, tzinfo=UTC)
 # the test below, so each declaration is held to the line it writes.
 DECLARED_SAMPLES: tuple[object, ...] = (
     events.CycleSkipped(run_id="r1", reason="held", holder_pid=7, owner_run_id="r0"),
+    events.PhaseUnknown(run_id="r1", phase="never_joined", known=("empty_room", "stale_live")),
     events.ConferenceReaped(
         run_id="r1",
         phase="empty_room",

@@ -15,6 +15,7 @@ from reaper.config import Settings
 from reaper.cycle import Reaper
 from reaper.db import transaction
 from reaper.events import BatchSelected, Bus, CycleResult
+from reaper.phases import IN_ORDER
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.facts import log_events, log_records
@@ -36,7 +37,7 @@ def claim_due_stops(engine: Engine) -> list[tuple[str, str, str]]:
     """What a stop pass would claim now (a window reaching back to T0)."""
     with transaction(engine, budgets.quick(Settings())) as queries:
         rows = queries.claim_stops_due(
-            window_s=100 * 365 * 86400, lease_s=60, limit=100, holder_pid=None
+            phases=IN_ORDER, window_s=100 * 365 * 86400, lease_s=60, limit=100, holder_pid=None
         )
     return sorted((r.recording_id, r.conference_id, r.end_reason) for r in rows)
 

@@ -1,5 +1,5 @@
 """Windows per tenant (docs/design.md#windows-per-tenant): ``reaper policy
-set/unset/list``, stored in ``messenger.reaper_tenant_policies``; a tenant's
+set/unset/list``, stored in ``messenger.reaper_tenant_windows``; a tenant's
 windows replace the defaults for its conferences only, in the phases, in
 ``reaper plan`` and ``reaper status``, in the backlog gauge and in the
 mass-closure guard's count."""
@@ -23,6 +23,7 @@ from reaper.control import OPTIONS, STALE_LIVE_FLOOR, Controls, PolicyRefused, f
 from reaper.cycle import Reaper
 from reaper.events import ConferenceReaped, CycleResult, PhaseMassClosure, process_bus
 from reaper.overview import plan, status
+from reaper.phases import PHASES
 from reaper.wiring import Gauges
 from tests.support import factory as f
 from tests.support.factory import T0
@@ -35,11 +36,19 @@ C = "cccccccc-0000-4000-8000-000000000003"
 
 
 def policies(engine: Engine) -> list[dict[str, Any]]:
+    """The stored policies, one per tenant: its windows by their Settings field
+    (a phase without one: absent), its latest change's time and author."""
     with engine.connect() as conn:
         rows = conn.execute(
-            text("SELECT * FROM messenger.reaper_tenant_policies ORDER BY tenant_id")
+            text("SELECT * FROM messenger.reaper_tenant_windows ORDER BY tenant_id, phase")
         ).mappings()
-        return [dict(r) for r in rows]
+        tenants: dict[str, dict[str, Any]] = {}
+        for row in rows:
+            policy = tenants.setdefault(str(row["tenant_id"]), {"tenant_id": row["tenant_id"]})
+            policy[PHASES[row["phase"]].setting] = row["window_length"]
+            if row["updated_at"] >= policy.get("updated_at", row["updated_at"]):
+                policy |= {"updated_at": row["updated_at"], "updated_by": row["updated_by"]}
+        return list(tenants.values())
 
 
 def status_of(engine: Engine, conference: dict[str, Any]) -> tuple[str, str | None]:
@@ -165,7 +174,7 @@ def test_a_policy_is_read_by_the_next_cycle_and_unset_restores_the_defaults(sett
         room = f.conference(conn, idle=timedelta(minutes=5), tenant_id=A)
     assert Reaper(settings, engine=engine).run_cycle(T0)["empty_timeout_count"] == 0
     unset = controls.unset_policy(A)
-    assert unset is not None and unset.empty_room_grace == timedelta(minutes=10)
+    assert unset is not None and unset.windows["empty_room_grace"] == timedelta(minutes=10)
     assert policies(engine) == [] and controls.unset_policy(A) is None
     assert Reaper(settings, engine=engine).run_cycle(T0)["empty_timeout_count"] == 1
     assert status_of(engine, room) == ("Ended", "EmptyTimeout")
@@ -367,26 +376,27 @@ def test_set_merges_into_the_tenants_policy_and_tells_who(settings, engine, fact
     first = controls.set_policy(A.upper(), empty_room_grace=timedelta(minutes=10))
     assert first.tenant_id == A  # canonical form
     second = controls.set_policy(A, stale_live_timeout=timedelta(hours=6))
-    assert (second.empty_room_grace, second.provision_timeout, second.stale_live_timeout) == (
-        timedelta(minutes=10),
-        None,
-        timedelta(hours=6),
-    )
+    given = {"empty_room_grace": timedelta(minutes=10), "stale_live_timeout": timedelta(hours=6)}
+    # every phase's window, the others the default (None)
+    assert second.windows == {name: given.get(name) for name in OPTIONS}
     [row] = policies(engine)
     assert row["updated_by"] == "alice" and row["updated_at"] == second.updated_at
     # stored as seconds (no day part): as_of - window is exact in any time zone
     controls.set_policy(A, stale_live_timeout=timedelta(days=7))
     with engine.connect() as conn:
         stored = conn.execute(
-            text("SELECT stale_live_timeout::text FROM messenger.reaper_tenant_policies")
+            text(
+                "SELECT window_length::text FROM messenger.reaper_tenant_windows"
+                " WHERE phase = 'stale_live'"
+            )
         ).scalar_one()
     assert stored == "168:00:00"
     logged = log_events(caplog, "control.policy_set")
     assert logged[0] == {
         "tenant_id": A,
+        # a field per phase's window, the ones not set null
+        **{f"{name}_seconds": None for name in OPTIONS},
         "empty_room_grace_seconds": 600.0,
-        "provision_timeout_seconds": None,
-        "stale_live_timeout_seconds": None,
         "updated_at": logged[0]["updated_at"],
         "updated_by": "alice",
     }

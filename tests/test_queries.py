@@ -12,8 +12,8 @@ import pytest
 
 from reaper import queries as queries_module
 from reaper.config import Settings
-from reaper.phases import PHASES, bounds
-from reaper.queries import load, parse, phase_statement
+from reaper.phases import IN_ORDER, PHASES, bounds
+from reaper.queries import PhaseSql, load, parse, phase_statement
 from tests.support.activity import BATCH_TEXT, like
 
 SOURCE = """
@@ -58,7 +58,7 @@ def test_the_fault_tests_see_a_phase_batch_and_nothing_else_as_one() -> None:
     """The fault tests find a batch in flight in pg_stat_activity by its text
     (tests/support/activity.py): every phase statement has it, no other query."""
     batches = phase_statements()
-    for name, statement in load().items():
+    for name, statement in load(IN_ORDER).items():
         assert like(BATCH_TEXT, statement.text) == (name in batches), name
 
 
@@ -66,7 +66,7 @@ def phase_statements() -> dict[str, str]:
     """Every phase statement, as the loader writes it for each of its phases."""
     return {
         name: statement.text
-        for name, statement in load().items()
+        for name, statement in load(IN_ORDER).items()
         if name.startswith(("end_active_batch[", "fail_provisioning_batch["))
     }
 
@@ -92,6 +92,9 @@ def test_each_phase_statement_writes_each_phases_rooms_once() -> None:
     assert source.count("-- fragment: batch_rooms") == 1
     # visible and claimed (the fragment claim), batch_candidates
     assert source.count("-- include: batch_rooms") == 3
+    # every phase's statement: one per phase (written for it), one transition each
+    written = phase_statements()
+    assert len(written) == len(PHASES)
     for sql in phase_statements().values():
         assert sql.count("\nvisible AS (") == 1 and sql.count("\nclaimed AS (") == 1
         assert sql.count("roster AS (") == 1 and sql.count("SELECT 'fenced'") == 1
@@ -102,93 +105,134 @@ def test_a_phase_statement_holds_its_own_phases_rooms_and_no_other(phase: str) -
     """Written once per phase, each statement selects its phase's rooms (their
     range in visible and claimed) and names no other phase's bounds, so the
     server parses and plans only what runs."""
-    own = PHASES[phase].param
-    statement = "fail_provisioning_batch" if phase == "provision_timeout" else "end_active_batch"
-    sql = load()[phase_statement(statement, phase)].text
-    assert sql.count(f"CAST(:{own}_range AS timestamptz)") == 2
-    for other in (p.param for p in PHASES.values() if p.param != own):
-        assert f":{other}_" not in sql
-    assert ":phase" not in sql
-    candidates = load()[phase_statement("batch_candidates", phase)].text
-    assert candidates.count(f"CAST(:{own}_range AS timestamptz)") == 1
+    own = PHASES[phase]
+    statement = "end_active_batch" if own.ends_active else "fail_provisioning_batch"
+    sql = load(IN_ORDER)[phase_statement(statement, phase)].text
+    assert sql.count(f"CAST(:{phase}_range AS timestamptz)") == 2
+    for other in PHASES:
+        if other != phase:
+            assert f":{other}_" not in sql and f"'{other}'" not in sql
+    assert ":phase" not in sql and "{" not in sql.replace("jsonb_build_object", "")
+    assert f"SET status = '{own.status}',\n        end_reason = '{own.end_reason}'" in sql
+    candidates = load(IN_ORDER)[phase_statement("batch_candidates", phase)].text
+    assert candidates.count(f"CAST(:{phase}_range AS timestamptz)") == 1
 
 
-def test_a_query_with_phases_is_written_once_per_phase() -> None:
+A = PhaseSql(name="a", since="made_at", status="Ended", end_reason="Gone")
+B = PhaseSql(name="b", since="seen_at", status="Failed", end_reason="Broke")
+
+
+def test_a_query_for_each_phase_is_written_once_per_phase_with_its_values() -> None:
     queries = parse(
-        "-- fragment: a_rooms\nx = 1\n\n-- fragment: b_rooms\nx = 2\n\n"
-        "-- fragment: rooms\n-- why, written once\n-- include: {phase}_rooms\nAND y\n\n"
-        "-- name: q\n-- phases: a b\nSELECT * FROM t WHERE\n-- include: rooms\n;\n\n"
-        "-- name: plain\nSELECT 1;"
+        "-- fragment: a_selects\nx = 1\n\n-- fragment: b_selects\nx = 2\n\n"
+        "-- fragment: rooms\n-- why, written once\n-- include: {phase}_selects\n"
+        "AND t.{since} < :{phase}_cutoff\n\n"
+        "-- name: q\n-- for each phase\nSELECT '{status}' FROM t WHERE\n-- include: rooms\n;\n\n"
+        "-- name: ended\n-- for each phase becoming Ended\nSELECT '{end_reason}';\n\n"
+        "-- name: others\n-- for each phase not becoming Ended\nSELECT '{end_reason}';\n\n"
+        "-- name: plain\nSELECT 1;",
+        (A, B),
     )
     assert queries == {
-        "q[a]": "SELECT * FROM t WHERE\nx = 1\nAND y\n;",
-        "q[b]": "SELECT * FROM t WHERE\nx = 2\nAND y\n;",
+        "q[a]": "SELECT 'Ended' FROM t WHERE\nx = 1\nAND t.made_at < :a_cutoff\n;",
+        "q[b]": "SELECT 'Failed' FROM t WHERE\nx = 2\nAND t.seen_at < :b_cutoff\n;",
+        "ended[a]": "SELECT 'Gone';",
+        "others[b]": "SELECT 'Broke';",
         "plain": "SELECT 1;",
     }
     assert phase_statement("q", "a") == "q[a]"
 
 
-def test_a_phase_include_needs_phases_and_a_fragment_for_each() -> None:
-    with pytest.raises(ValueError, match="outside a query with '-- phases:'"):
-        parse("-- fragment: a_rooms\nx\n\n-- name: q\nSELECT\n-- include: {phase}_rooms\n")
-    with pytest.raises(ValueError, match="unknown fragment 'b_rooms'"):
+def test_a_query_over_the_phases_follows_their_order_and_leaves_out_the_earlier_ones() -> None:
+    source = (
+        "-- fragment: a_selects\nx = 1\n\n-- fragment: b_selects\nx = 2\n\n"
+        "-- fragment: not_earlier\nAND NOT (\n    -- include: {phase}_selects\n)\n\n"
+        "-- fragment: count\n(SELECT '{phase}', count(*) FROM t WHERE\n"
+        "    -- include: {phase}_selects\n    -- include each earlier phase: not_earlier\n)\n\n"
+        "-- name: census\n-- include each phase joined by UNION ALL: count\n;"
+    )
+    first = "(SELECT 'a', count(*) FROM t WHERE\nx = 1\n\n)"
+    second = "(SELECT 'b', count(*) FROM t WHERE\nx = 2\nAND NOT (\nx = 1\n)\n)"
+    assert parse(source, (A, B)) == {"census": f"{first}\nUNION ALL\n{second}\n;"}
+    # the order decides which phase takes a room first
+    first = "(SELECT 'b', count(*) FROM t WHERE\nx = 2\n\n)"
+    second = "(SELECT 'a', count(*) FROM t WHERE\nx = 1\nAND NOT (\nx = 2\n)\n)"
+    assert parse(source, (B, A)) == {"census": f"{first}\nUNION ALL\n{second}\n;"}
+
+
+def test_a_phase_include_needs_a_phase_and_a_fragment_for_each() -> None:
+    with pytest.raises(ValueError, match="outside a statement written for a phase"):
+        parse("-- fragment: a_selects\nx\n\n-- name: q\nSELECT\n-- include: {phase}_selects\n")
+    with pytest.raises(ValueError, match="unknown fragment 'b_selects'"):
         parse(
-            "-- fragment: a_rooms\nx\n\n"
-            "-- name: q\n-- phases: a b\nSELECT\n-- include: {phase}_rooms\n"
+            "-- fragment: a_selects\nx\n\n"
+            "-- name: q\n-- for each phase\nSELECT\n-- include: {phase}_selects\n",
+            (A, B),
+        )
+    with pytest.raises(ValueError, match="not a plain name"):
+        parse(
+            "-- name: q\n-- for each phase\nSELECT {since}\n",
+            (PhaseSql(name="a", since="x; DROP", status="Ended", end_reason="Gone"),),
         )
 
 
 BOUNDS = set(bounds(Settings(), datetime.now(UTC), {}))
 
 
-def _runs_by_method() -> list[tuple[str, str, set[str]]]:
-    """``(method of Queries, query name, keyword arguments bound)`` for each
-    ``_run(self.conn, "name", key=...)`` call in the class; a
+RUNNERS = ("_run", "_run_phase", "_run_phases")
+
+
+def _runs_by_method() -> list[tuple[str, str, set[str], bool]]:
+    """``(method of Queries, query name, keyword arguments bound, **bounds too)``
+    for each ``_run(self.conn, "name", key=...)`` call in the class; a
     ``_run_phase(self.conn, "name", phase, key=...)`` call runs the query
-    written for each of its phases (``name[phase]``)."""
+    written for each phase (``name[phase]``), a ``_run_phases`` call the one
+    statement written over them."""
     tree = ast.parse(inspect.getsource(queries_module.Queries))
-    statements = load()
+    statements = load(IN_ORDER)
     runs = []
     for method in ast.walk(tree):
         if not isinstance(method, ast.FunctionDef):
             continue
         for call in ast.walk(method):
-            if not (
-                isinstance(call, ast.Call) and ast.unparse(call.func) in ("_run", "_run_phase")
-            ):
+            if not (isinstance(call, ast.Call) and ast.unparse(call.func) in RUNNERS):
                 continue
             name = call.args[1]
             assert isinstance(name, ast.Constant) and isinstance(name.value, str), (
                 f"{method.name} names its query at run time"
             )
             bound = {keyword.arg for keyword in call.keywords if keyword.arg is not None}
+            mapping = False
             for keyword in call.keywords:
-                # ``**bounds``: every phase's cutoff and range end, as phases.bounds
+                # ``**bounds``: phases' cutoffs and range ends, as phases.bounds
                 # names them; any other mapping would hide what the query binds
                 if keyword.arg is None:
                     assert ast.unparse(keyword.value) == "bounds", f"{method.name} binds a mapping"
-                    bound |= BOUNDS
-            if ast.unparse(call.func) == "_run":
-                runs.append((method.name, name.value, bound))
+                    mapping = True
+            if ast.unparse(call.func) != "_run_phase":
+                runs.append((method.name, name.value, bound, mapping))
                 continue
             written = [key for p in PHASES if (key := phase_statement(name.value, p)) in statements]
-            assert written, f"{method.name} runs {name.value!r}, which has no '-- phases:'"
-            runs += [(method.name, n, bound) for n in written]
+            assert written, f"{method.name} runs {name.value!r}, not written for each phase"
+            runs += [(method.name, n, bound, mapping) for n in written]
     return runs
 
 
 def test_every_named_query_has_one_method_that_binds_exactly_its_parameters() -> None:
     """The type checker holds the callers to Queries' signatures; this holds the
     methods to queries.sql: each runs a query that exists, binding the parameters
-    its text names and no others, and every query is run by one method. A phase's
-    statement names its own phase's bounds; ``**bounds`` binds every phase's."""
-    statements = load()
+    its text names and no others, and every query is run by one method. A
+    statement about phases names phases' bounds, which ``**bounds`` binds (the
+    caller passes phases.bounds or phases.cutoffs: the statement's own and more)."""
+    statements = load(IN_ORDER)
     runs = _runs_by_method()
-    assert sorted(name for _, name, _ in runs) == sorted(statements)
-    for method, name, bound in runs:
+    assert sorted(name for _, name, _, _ in runs) == sorted(statements)
+    for method, name, bound, mapping in runs:
         expected = set(statements[name].compile().params)
-        if "[" in name:  # a phase's statement: **bounds binds the other phases' too
-            expected |= BOUNDS
+        if mapping:
+            named = expected & BOUNDS
+            assert named, f"Queries.{method} binds **bounds for {name}, which names none"
+            expected -= BOUNDS
         assert bound == expected, f"Queries.{method} binds {sorted(bound)} for {name}"
 
 

@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from reaper.phases import tenant_windows
+from reaper.config import Settings
+from reaper.phases import IN_ORDER, PHASES, tenant_windows
+from reaper.phases import bounds as phase_bounds
 from reaper.queries import Queries, load, phase_statement
 from tests.conftest import clean
 from tests.support.factory import T0
@@ -85,8 +87,10 @@ ANALYZE messenger.conference_sessions, messenger.conference_participants,
 # other tenants; grace 30 s or 10 min, provision timeout 1 min or 10 min,
 # stale-live timeout 1 h, 2 h, 3 h or 6 h, or the default (each row sets one at least).
 POLICIES = """
-INSERT INTO messenger.reaper_tenant_policies
-    (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
+INSERT INTO messenger.reaper_tenant_windows
+    (tenant_id, phase, window_length, updated_at, updated_by)
+SELECT p.tenant_id, w.phase, w.window_length, p.updated_at, p.updated_by
+FROM (
 SELECT t,
        CASE g % 3 WHEN 0 THEN interval '30 s' WHEN 1 THEN interval '10 min' END,
        CASE g % 4 WHEN 0 THEN interval '1 min' WHEN 1 THEN interval '10 min' END,
@@ -98,9 +102,15 @@ FROM (SELECT row_number() OVER () AS g, t
       FROM ((SELECT tenant_id AS t FROM messenger.conference_sessions
              WHERE status IN ('Provisioning', 'Active') ORDER BY id LIMIT :ours)
             UNION ALL
-            (SELECT gen_random_uuid() FROM generate_series(1, :policies - :ours))) x) y;
+            (SELECT gen_random_uuid() FROM generate_series(1, :policies - :ours))) x) y
+) AS p (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
+-- a policy row of 0.4.0's shape, one window row per phase it sets
+CROSS JOIN LATERAL (VALUES ('empty_room', p.empty_room_grace),
+                           ('provision_timeout', p.provision_timeout),
+                           ('stale_live', p.stale_live_timeout)) AS w (phase, window_length)
+WHERE w.window_length IS NOT NULL;
 
-ANALYZE messenger.reaper_tenant_policies;
+ANALYZE messenger.reaper_tenant_windows;
 """
 
 TABLES = {
@@ -111,24 +121,24 @@ TABLES = {
     "realtime_outbox",
 }
 
-# phase -> (statement, the partial index its claim must use, its parameters)
-PHASES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "empty_room": (
-        "end_active_batch",
-        "ix_conf_empty_active",
-        {"window": timedelta(seconds=90), "require_empty": True, "end_reason": "EmptyTimeout"},
-    ),
-    "provision_timeout": (
-        "fail_provisioning_batch",
-        "ix_conf_provisioning",
-        {"window": timedelta(seconds=120)},
-    ),
-    "stale_live": (
-        "end_active_batch",
-        "ix_conf_active",
-        {"window": timedelta(hours=4), "require_empty": False, "end_reason": "Timeout"},
-    ),
+# The partial index each phase's claim must use (its migration made it).
+INDEX = {
+    "empty_room": "ix_conf_empty_active",
+    "provision_timeout": "ix_conf_provisioning",
+    "stale_live": "ix_conf_active",
 }
+# A phase's default window (Settings' defaults).
+DEFAULTS = Settings()
+STATEMENTS = load(IN_ORDER)
+
+
+def statement_of(phase: str) -> str:
+    """The statement a phase's batch runs (phases.reap_batch)."""
+    return "end_active_batch" if PHASES[phase].ends_active else "fail_provisioning_batch"
+
+
+def window(phase: str) -> timedelta:
+    return PHASES[phase].window(DEFAULTS)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +158,7 @@ def seeded(database_url: str) -> Iterator[Engine]:
             text(
                 "TRUNCATE messenger.realtime_outbox, messenger.integration_outbox,"
                 " messenger.call_recordings, messenger.conference_participants,"
-                " messenger.conference_sessions, messenger.reaper_tenant_policies"
+                " messenger.conference_sessions, messenger.reaper_tenant_windows"
                 " RESTART IDENTITY CASCADE"
             )
         )
@@ -158,13 +168,13 @@ def seeded(database_url: str) -> Iterator[Engine]:
 def policies(request: pytest.FixtureRequest, seeded: Engine) -> Iterator[int]:
     """The seeded history without tenant policies, then with 1,000 of them."""
     with seeded.begin() as conn:
-        conn.execute(text("TRUNCATE messenger.reaper_tenant_policies"))
+        conn.execute(text("TRUNCATE messenger.reaper_tenant_windows"))
         if request.param:
             conn.execute(text(POLICIES), {"t0": T0, "policies": request.param, "ours": 300})
-        conn.execute(text("ANALYZE messenger.reaper_tenant_policies"))
+        conn.execute(text("ANALYZE messenger.reaper_tenant_windows"))
     yield request.param
     with seeded.begin() as conn:
-        conn.execute(text("TRUNCATE messenger.reaper_tenant_policies"))
+        conn.execute(text("TRUNCATE messenger.reaper_tenant_windows"))
 
 
 def nodes(plan: dict[str, Any], ancestors: tuple[dict, ...] = ()) -> Iterator[tuple]:
@@ -176,9 +186,7 @@ def nodes(plan: dict[str, Any], ancestors: tuple[dict, ...] = ()) -> Iterator[tu
 def widest(conn: Connection, phase: str, as_of: datetime) -> datetime:
     """The phase's range_cutoff, as phases.reap_batch passes it: the shortest of the
     default window and every tenant's."""
-    window = PHASES[phase][2]["window"]
-    tenant = tenant_windows(Queries(conn))[phase]
-    return as_of - (window if tenant is None else min(window, tenant))
+    return PHASES[phase].range_cutoff(DEFAULTS, as_of, tenant_windows(Queries(conn)))
 
 
 FENCE_RUN = "plan-test-run"
@@ -221,7 +229,7 @@ def explain(
 ) -> dict[str, Any]:
     """The phase statement's plan (or that of ``statement``, bound the same way);
     ``analyze`` runs it (the caller rolls back)."""
-    name, _, extra = PHASES[phase]
+    name = statement_of(phase)
     params = {
         "as_of": as_of,
         **bounds(conn, as_of),
@@ -233,12 +241,9 @@ def explain(
         "holder_pid": conn.execute(text("SELECT pg_backend_pid()")).scalar_one(),
     }
     if name == "end_active_batch":
-        params |= {
-            "end_reason": extra["end_reason"],
-            "topic": "pin.messenger.conference-ended.v1",
-        }
+        params |= {"topic": "pin.messenger.conference-ended.v1"}
     options = "ANALYZE, FORMAT JSON" if analyze else "FORMAT JSON"
-    sql = f"EXPLAIN ({options}) " + (statement or load()[phase_statement(name, phase)].text)
+    sql = f"EXPLAIN ({options}) " + (statement or STATEMENTS[phase_statement(name, phase)].text)
     return conn.execute(text(sql), params).scalar_one()[0]["Plan"]
 
 
@@ -293,7 +298,7 @@ def test_phase_statement_plan_stays_on_its_partial_index(
     as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
     with seeded.connect() as conn:
         plan = explain(conn, phase, as_of, batch_size)
-    assert problems(plan, PHASES[phase][1]) == [], outline(plan)
+    assert problems(plan, INDEX[phase]) == [], outline(plan)
 
 
 def locked_scan_loops(plan: dict[str, Any]) -> int:
@@ -315,22 +320,19 @@ def fence_probes(plan: dict[str, Any]) -> list[str]:
 def test_only_a_short_batch_looks_for_rows_a_command_holds(seeded: Engine, phase: str) -> None:
     """A full batch leaves the search for locked rows to the batch that comes back
     short (a second walk of the index range, a policy probe per row, per batch)."""
-    status = "Provisioning" if phase == "provision_timeout" else "Active"
     with seeded.connect() as conn, conn.begin() as tx:
         open_fence(conn)
         full = explain(conn, phase, T0, 100, analyze=True)
-        few = list(
+        # three of the phase's rooms (its candidates), by its own statement
+        few = (
             conn.execute(
-                text(
-                    "SELECT id::text FROM messenger.conference_sessions"
-                    " WHERE status = :status AND created_at < :t0 - interval '6 hours' LIMIT 3"
-                ),
-                {"status": status, "t0": T0},
+                STATEMENTS[phase_statement("batch_candidates", phase)],
+                {"as_of": T0, **bounds(conn, T0), "batch_size": 3, "excluded": [], "only": None},
             )
             .scalars()
             .all()
         )
-        short = explain(conn, phase, T0, 100, analyze=True, only=few)
+        short = explain(conn, phase, T0, 100, analyze=True, only=list(few))
         tx.rollback()
     assert len(few) == 3
     # one index probe for the run: the open run is one row, by key or by the open index
@@ -342,9 +344,9 @@ def test_only_a_short_batch_looks_for_rows_a_command_holds(seeded: Engine, phase
 # The per-cycle census (the backlog gauge, the mass-closure guard) and reaper
 # plan: each phase's count is a range of that phase's own partial index.
 CENSUS: dict[str, set[str]] = {
-    "eligible_census": {"ix_conf_empty_active", "ix_conf_provisioning", "ix_conf_active"},
-    "stale_live_eligible": {"ix_conf_active"},
-    "plan_candidates": {"ix_conf_empty_active", "ix_conf_provisioning", "ix_conf_active"},
+    "eligible_census": set(INDEX.values()),
+    **{phase_statement("guard_eligible", p.name): {INDEX[p.name]} for p in IN_ORDER if p.guarded},
+    "plan_candidates": set(INDEX.values()),
     # the rooms ahead of the clock: a range of ix_conf_active past the data's clock (T0)
     "activity_ahead_count": {"ix_conf_active"},
     "activity_ahead": {"ix_conf_active"},
@@ -353,17 +355,7 @@ CENSUS: dict[str, set[str]] = {
 
 def bounds(conn: Connection, as_of: datetime) -> dict[str, datetime]:
     """Every phase's default cutoff and range end, as phases.bounds names them."""
-    return {
-        f"{short}_cutoff": as_of - PHASES[phase][2]["window"]
-        for short, phase in zip(("empty", "provision", "stale"), PHASES, strict=True)
-    } | census_ranges(conn, as_of)
-
-
-def census_ranges(conn: Connection, as_of: datetime) -> dict[str, datetime]:
-    return {
-        f"{short}_range": widest(conn, phase, as_of)
-        for short, phase in zip(("empty", "provision", "stale"), PHASES, strict=True)
-    }
+    return phase_bounds(DEFAULTS, as_of, tenant_windows(Queries(conn)))
 
 
 def census_problems(plan: dict[str, Any], indexes: set[str]) -> list[str]:
@@ -387,10 +379,6 @@ def test_census_statements_count_index_ranges_not_live_rooms(
     as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
     params = {
         "as_of": as_of,
-        "empty_cutoff": as_of - timedelta(seconds=90),
-        "provision_cutoff": as_of - timedelta(seconds=120),
-        "stale_cutoff": as_of - timedelta(hours=4),
-        "cutoff": as_of - timedelta(hours=4),
         "excluded": [],
         "per_phase": 100,
         "now": T0,  # the seeded rooms' clock: none of them is ahead of it
@@ -399,9 +387,8 @@ def test_census_statements_count_index_ranges_not_live_rooms(
         "phases": list(PHASES),
     }
     with seeded.connect() as conn:
-        if statement == "plan_candidates":
-            params |= census_ranges(conn, as_of)
-        sql = "EXPLAIN (FORMAT JSON) " + load()[statement].text
+        params |= bounds(conn, as_of)
+        sql = "EXPLAIN (FORMAT JSON) " + STATEMENTS[statement].text
         plan = conn.execute(text(sql), params).scalar_one()[0]["Plan"]
     assert census_problems(plan, CENSUS[statement]) == [], outline(plan)
 
@@ -429,15 +416,14 @@ def test_the_closed_rooms_roster_is_matched_by_hash_where_the_planner_would_loop
     by nested loops (the bench's 1,000-room batch spent 39 of its 123 ms there).
     With hash and merge joins off, as it then plans, the statement still reads no
     CTE once per row; the same statement with a bare IN does: the check can fail."""
-    name = PHASES[phase][0]
-    written = load()[phase_statement(name, phase)].text
+    written = STATEMENTS[phase_statement(statement_of(phase), phase)].text
     assert HASHED_MEMBERSHIP in written
     joined = written.replace(HASHED_MEMBERSHIP, JOINED_MEMBERSHIP)
     with seeded.connect() as conn, conn.begin() as tx:
         conn.execute(text("SET LOCAL enable_hashjoin = off"))
         conn.execute(text("SET LOCAL enable_mergejoin = off"))
-        kept = problems(explain(conn, phase, T0, 1000), PHASES[phase][1])
-        bare = problems(explain(conn, phase, T0, 1000, statement=joined), PHASES[phase][1])
+        kept = problems(explain(conn, phase, T0, 1000), INDEX[phase])
+        bare = problems(explain(conn, phase, T0, 1000, statement=joined), INDEX[phase])
         tx.rollback()
     assert kept == []
     assert any(p.endswith("(quadratic in the batch)") for p in bare), bare
@@ -454,17 +440,17 @@ def test_tenant_windows_widen_the_range_and_probe_each_row_by_key(
     never a scan of them per row."""
     as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
     with seeded.connect() as conn:
-        assert widest(conn, phase, as_of) > as_of - PHASES[phase][2]["window"]  # shorter ones
+        assert widest(conn, phase, as_of) > as_of - window(phase)  # shorter ones
         plan = explain(conn, phase, as_of)
-    index = PHASES[phase][1]
+    index = INDEX[phase]
     found, probes = [], 0
     for node, _ in nodes(plan):
-        if node.get("Relation Name") == "reaper_tenant_policies":
+        if node.get("Relation Name") == "reaper_tenant_windows":
             if (node["Node Type"], node.get("Index Name")) != (
                 "Index Scan",
-                "reaper_tenant_policies_pkey",
+                "reaper_tenant_windows_pkey",
             ) or "tenant_id = " not in node.get("Index Cond", ""):
-                found.append(f"{node['Node Type']} of reaper_tenant_policies")
+                found.append(f"{node['Node Type']} of reaper_tenant_windows")
             probes += 1
         if node.get("Index Name") == index and "SubPlan" in node.get("Index Cond", ""):
             found.append(f"{index} bounded by a subquery")
@@ -476,16 +462,22 @@ def test_the_census_counts_what_the_claims_would_select(seeded: Engine, policies
     """The counts join the policies, the claims probe them per row (and their ranges
     are bounded differently): the same rooms.
     And the policies make a difference on this seed (else this proves nothing)."""
-    windows = {
-        "empty_room": timedelta(seconds=90),
-        "provision_timeout": timedelta(seconds=120),
-        "stale_live": timedelta(hours=4),
-    }
+    guarded = [p.name for p in IN_ORDER if p.guarded]
+
+    def guard_counts(conn: Connection) -> dict[str, int]:
+        given = {"as_of": T0, **bounds(conn, T0), "excluded": []}
+        return {
+            name: conn.execute(
+                STATEMENTS[phase_statement("guard_eligible", name)], given
+            ).scalar_one()
+            for name in guarded
+        }
+
     with seeded.connect() as conn:
 
-        def claimable(phase: str) -> int:
+        def claimable(phase: str) -> set[str]:
             rows = conn.execute(
-                load()[phase_statement("batch_candidates", phase)],
+                STATEMENTS[phase_statement("batch_candidates", phase)],
                 {
                     "as_of": T0,
                     **bounds(conn, T0),
@@ -494,26 +486,22 @@ def test_the_census_counts_what_the_claims_would_select(seeded: Engine, policies
                     "only": None,
                 },
             )
-            return len(rows.all())
+            return set(rows.scalars())
 
-        cutoffs = {
-            f"{short}_cutoff": T0 - window
-            for short, window in zip(("empty", "provision", "stale"), windows.values(), strict=True)
-        }
-        census = conn.execute(load()["eligible_census"], {"as_of": T0, **cutoffs}).one()
-        guard = conn.execute(
-            load()["stale_live_eligible"],
-            {"as_of": T0, "stale_cutoff": T0 - windows["stale_live"], "excluded": []},
-        ).scalar_one()
-        default_stale = conn.execute(
-            text(
-                "SELECT count(*) FROM messenger.conference_sessions"
-                " WHERE status = 'Active' AND last_activity_at <= :cutoff"
-            ),
-            {"cutoff": T0 - windows["stale_live"]},
-        ).scalar_one()
-        claims = {phase: claimable(phase) for phase in windows}
-    assert census.empty_room == claims["empty_room"]
-    assert census.provision_timeout == claims["provision_timeout"]
-    assert guard == claims["stale_live"]
-    assert guard != default_stale  # shorter and longer windows than the default apply
+        given = {"as_of": T0, **bounds(conn, T0)}
+        census = {row.phase: row.n for row in conn.execute(STATEMENTS["eligible_census"], given)}
+        guards = guard_counts(conn)
+        claims = {phase: claimable(phase) for phase in PHASES}
+    with seeded.connect() as conn, conn.begin() as tx:
+        conn.execute(text("DELETE FROM messenger.reaper_tenant_windows"))
+        without_policies = guard_counts(conn)
+        tx.rollback()
+    # each room counted in the first phase that would claim it (the later phases
+    # run after the earlier ones closed theirs)
+    earlier: set[str] = set()
+    for phase in IN_ORDER:
+        assert census[phase.name] == len(claims[phase.name] - earlier), phase.name
+        earlier |= claims[phase.name]
+    for name in guarded:
+        assert guards[name] == len(claims[name])
+    assert guards != without_policies  # shorter and longer windows than the default apply

@@ -36,7 +36,7 @@ TABLES = (
     "realtime_outbox",
     "reaper_runs",
     "reaper_pauses",
-    "reaper_tenant_policies",
+    "reaper_tenant_windows",
     "reaper_migrations",
     "outbox_discards",
     "outbox_republishes",
@@ -51,7 +51,7 @@ OPERATOR_TABLE_PRIVILEGES: dict[str, set[str]] = {
     "realtime_outbox": {"SELECT"},
     "reaper_runs": {"SELECT"},
     "reaper_pauses": {"SELECT", "INSERT", "UPDATE", "DELETE"},
-    "reaper_tenant_policies": {"SELECT", "INSERT", "UPDATE", "DELETE"},
+    "reaper_tenant_windows": {"SELECT", "INSERT", "UPDATE", "DELETE"},
     # the schema's record, read by the check every command makes first (0010)
     "reaper_migrations": {"SELECT"},
     # reaper outbox discard writes it through messenger.discard_outbox (0013) alone
@@ -352,7 +352,7 @@ def tenant_policies(engine: Engine) -> list[str]:
     with engine.connect() as conn:
         return list(
             conn.execute(
-                text("SELECT tenant_id::text FROM messenger.reaper_tenant_policies")
+                text("SELECT DISTINCT tenant_id::text FROM messenger.reaper_tenant_windows")
             ).scalars()
         )
 
@@ -437,9 +437,10 @@ def test_every_worker_command_runs_or_is_refused_as_a_worker_login(database_url,
         )
         conn.execute(
             text(
-                "INSERT INTO messenger.reaper_tenant_policies"
-                " (tenant_id, stale_live_timeout, updated_at, updated_by)"
-                " VALUES (CAST(:t AS uuid), interval '6 hours', clock_timestamp(), 'owner')"
+                "INSERT INTO messenger.reaper_tenant_windows"
+                " (tenant_id, phase, window_length, updated_at, updated_by)"
+                " VALUES (CAST(:t AS uuid), 'stale_live', interval '6 hours', clock_timestamp(),"
+                " 'owner')"
             ),
             {"t": TENANT},
         )

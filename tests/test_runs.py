@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from reaper.config import Settings
-from reaper.phases import EMPTY_ROOM
+from reaper.phases import EMPTY_ROOM, ORDER
 from reaper.runs import LOCK_SESSION_ENDED, Runs, holder
 from tests.support.figures import figure
 
@@ -137,7 +137,7 @@ def test_a_phase_whose_heartbeat_found_its_session_ended_tells_the_lost_lock(set
 def test_lock_never_returns_to_the_pool(settings, engine):
     run_id = str(uuid.uuid4())
     assert runs(settings, engine).take(run_id, None).skipped is None
-    for phase in ("empty_room", "provision_timeout", "stale_live"):
+    for phase in ORDER:
         claim = runs(settings, engine).claim(run_id, phase)
         assert claim is not None and claim.release() is None
     # every pooled connection is checked for a stranded advisory lock

@@ -102,7 +102,7 @@ TABLES = (
     "realtime_outbox",
     "reaper_runs",
     "reaper_pauses",
-    "reaper_tenant_policies",
+    "reaper_tenant_windows",
     "reaper_migrations",
     "outbox_discards",
     "outbox_republishes",
@@ -118,7 +118,7 @@ EXPECTED_TABLE_PRIVILEGES = {
     "reaper_runs": {"SELECT", "INSERT", "DELETE"},
     # the operator's controls: read, never written (migration 0011)
     "reaper_pauses": {"SELECT"},
-    "reaper_tenant_policies": {"SELECT"},
+    "reaper_tenant_windows": {"SELECT"},
     # the schema's record, read by the check at start (migration 0010)
     "reaper_migrations": {"SELECT"},
     # read for messenger_outbox_discarded; only an operator discards (migration 0013)
@@ -155,9 +155,10 @@ EXPECTED_UPDATE_COLUMNS = {
         "errors",
         "finished_at",
         "outcome",
+        "unknown_phases",
     },
     "reaper_pauses": set(),
-    "reaper_tenant_policies": set(),
+    "reaper_tenant_windows": set(),
     "reaper_migrations": set(),
     "outbox_discards": set(),
     "outbox_republishes": set(),
@@ -292,8 +293,8 @@ def test_a_cycle_and_a_relay_pass_run_as_a_member_of_the_role(engine, login_url,
             "DELETE FROM messenger.conference_sessions",
             "DELETE FROM messenger.integration_outbox",
             "DELETE FROM messenger.reaper_pauses",
-            "INSERT INTO messenger.reaper_tenant_policies (tenant_id, stale_live_timeout,"
-            " updated_at, updated_by) VALUES (gen_random_uuid(), '1 ms', now(), 'x')",
+            "INSERT INTO messenger.reaper_tenant_windows (tenant_id, phase, window_length,"
+            " updated_at, updated_by) VALUES (gen_random_uuid(), 'stale_live', '1 ms', now(), 'x')",
             "UPDATE messenger.conference_sessions SET chat_id = gen_random_uuid()",
             "UPDATE messenger.integration_outbox SET payload = '{}'",
             "INSERT INTO messenger.conference_sessions (id) VALUES (gen_random_uuid())",

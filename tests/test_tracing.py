@@ -19,6 +19,7 @@ from opentelemetry.trace import StatusCode
 
 from reaper import tracing
 from reaper.cycle import Reaper
+from reaper.phases import ORDER
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.processes import ROOT
@@ -87,7 +88,7 @@ def test_cycle_phase_and_conference_spans_share_the_run_as_trace(
 def test_phases_run_elsewhere_join_the_cycle_trace(settings, engine, spans):
     """As in Celery: each phase by its run id alone, in a Reaper of its own, the end too."""
     cycle = Reaper(settings, engine=engine).start(T0)
-    for name in ("empty_room", "provision_timeout", "stale_live"):
+    for name in ORDER:
         Reaper(settings, engine=engine).run_phase(name, cycle.run_id)
     Reaper(settings, engine=engine).finish(cycle.run_id)
     finished = spans.get_finished_spans()

@@ -1,10 +1,19 @@
 -- Named queries of the reaper. Each block starts with a "-- name: <name>" line;
 -- reaper/queries.py loads them once and exposes one method per query.
 -- A "-- fragment: <name>" block is SQL written once, which "-- include: <name>"
--- stands for. A query whose second line is "-- phases: a b" is written once
--- per phase: in it, "-- include: {phase}_x" stands for the fragment a_x, then
--- b_x. Each phase's statement holds that phase's predicate and no other, so the
--- server parses and plans only what runs.
+-- stands for (reaper/queries.py Source says how includes, arguments and the
+-- phases' statements are written).
+--
+-- The phases are data (reaper/phases.py): each writes here one fragment,
+-- <phase>_selects, its predicate (alias s: the room). Every statement about
+-- phases is composed from it and from the phase's values ({phase}, {since}: the
+-- column its lateness counts from, {status}, {end_reason}): the claims, the
+-- batch candidates and the mass-closure count ("-- for each phase": one
+-- statement per phase, holding that phase's predicate and no other, so the
+-- server parses and plans only what runs), the census and reaper plan ("--
+-- include each phase": one statement over the phases, in their order, each
+-- room counted in the first phase that selects it: "-- include each earlier
+-- phase" leaves out the rooms of the phases before).
 --
 -- The phase statements are set-based: one round trip claims a batch with
 -- FOR UPDATE SKIP LOCKED, applies the guarded transition, closes the roster,
@@ -22,11 +31,12 @@
 --   tenant_id, lateness_seconds   reaped (tenant also poison); otherwise null
 --
 -- Windows per tenant (docs/design.md#windows-per-tenant): a conference's window
--- is its tenant's in messenger.reaper_tenant_policies when set, else the
--- default (:<phase>_cutoff = :as_of - the default window; <phase> is empty,
--- provision or stale, phases.bounds). A phase's rooms are written once, in two
--- forms: <phase>_rooms for the claims, the batch candidates and reaper plan,
--- and a count's form (stale_live_counted, eligible_census). Each has two parts:
+-- for a phase is its tenant's row for that phase in
+-- messenger.reaper_tenant_windows when there is one, else the default
+-- (:<phase>_cutoff = :as_of - the default window, phases.bounds). A phase's
+-- rooms are written in two forms: phase_rooms for the claims, the batch
+-- candidates and reaper plan, and a count's form (phase_counted: the census
+-- and the mass-closure count). Each has two parts:
 --   the index range, to the WIDEST cutoff (:<phase>_range): :as_of minus the
 --     shortest of the default window and every tenant's (tenant_window_bounds,
 --     read once at the start of each phase, cycle.Reaper._drain;
@@ -35,10 +45,11 @@
 --     (Computed in the statement, as an InitPlan, the bound is unknown when
 --     planning: with no policy at all the claim of a 1000-row batch becomes a
 --     bitmap scan of every candidate and a sort.)
---   the row's own cutoff (<phase>_cutoff): coalesce(:as_of - (SELECT
---     p.<window> ... WHERE p.tenant_id = s.tenant_id), :<phase>_cutoff), a
---     primary-key probe per row of the range, which keeps the claim in index
---     order. (The counts join the policies instead: see eligible_census.)
+--   the row's own cutoff (phase_cutoff): coalesce(:as_of - (SELECT
+--     w.window_length ... WHERE w.tenant_id = s.tenant_id AND w.phase =
+--     '{phase}'), :<phase>_cutoff), a primary-key probe per row of the range,
+--     which keeps the claim in index order. (The counts join the windows
+--     instead: see eligible_census.)
 -- A room is eligible when it passes both; the range alone only bounds the scan.
 -- A window made longer applies to every statement that starts after the change;
 -- one made shorter during a phase, from the next phase (the range is read then).
@@ -218,6 +229,14 @@ SET counts = CAST(:counts AS jsonb),
     errors = :errors
 WHERE run_id = :run_id;
 
+-- name: record_unknown_phase
+-- A phase the run's chain named that this worker does not know (a newer
+-- release's, in a rolling deploy): the worker went on without it. Once per
+-- phase in the run's row.
+UPDATE messenger.reaper_runs
+SET unknown_phases = array_append(unknown_phases, CAST(:phase AS text))
+WHERE run_id = :run_id AND NOT (CAST(:phase AS text) = ANY (unknown_phases));
+
 -- name: count_run_error
 UPDATE messenger.reaper_runs SET errors = errors + 1
 WHERE run_id = :run_id AND finished_at IS NULL;
@@ -235,46 +254,62 @@ WHERE finished_at IS NULL
    OR run_id = (SELECT run_id FROM messenger.reaper_runs
                 WHERE finished_at IS NOT NULL ORDER BY finished_at DESC LIMIT 1);
 
--- fragment: empty_room_counted
--- A phase's rooms written for a count (eligible_census says why), one fragment
--- per phase (empty_room_counted, provision_timeout_counted, stale_live_counted):
--- the range bound computed here, the policies joined (LEFT JOIN ... p ON
--- p.tenant_id = s.tenant_id).
+-- fragment: empty_room_selects
+-- The phases' predicates, one per phase (reaper/phases.py). empty_room: an
+-- Active room nobody is in.
 s.status = 'Active' AND s.active_participant_count = 0
-AND s.last_activity_at <= greatest(CAST(:empty_cutoff AS timestamptz),
-        CAST(:as_of AS timestamptz)
-        - (SELECT min(q.empty_room_grace) FROM messenger.reaper_tenant_policies q))
-AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.empty_room_grace,
-                                   CAST(:empty_cutoff AS timestamptz))
 
--- fragment: provision_timeout_counted
+-- fragment: provision_timeout_selects
+-- provision_timeout: a room still being provisioned.
 s.status = 'Provisioning'
-AND s.created_at <= greatest(CAST(:provision_cutoff AS timestamptz),
-        CAST(:as_of AS timestamptz)
-        - (SELECT min(q.provision_timeout) FROM messenger.reaper_tenant_policies q))
-AND s.created_at <= coalesce(CAST(:as_of AS timestamptz) - p.provision_timeout,
-                             CAST(:provision_cutoff AS timestamptz))
 
--- fragment: stale_live_counted
+-- fragment: stale_live_selects
+-- stale_live: any Active room (the empty ones its window reaches are
+-- empty_room's: that phase runs first, and the counts leave them out).
 s.status = 'Active'
-AND s.last_activity_at <= greatest(CAST(:stale_cutoff AS timestamptz),
-        CAST(:as_of AS timestamptz)
-        - (SELECT min(q.stale_live_timeout) FROM messenger.reaper_tenant_policies q))
-AND s.last_activity_at <= coalesce(CAST(:as_of AS timestamptz) - p.stale_live_timeout,
-                                   CAST(:stale_cutoff AS timestamptz))
 
--- name: stale_live_eligible
--- The mass-closure guard's first input: the Active conferences stale_live would
--- end now, each by its own tenant's window (else the default). A range of
--- ix_conf_active to the widest cutoff, so a quiet cycle costs what the rooms in
--- that range cost, not what the live ones do
+-- fragment: phase_window_join
+-- A phase's rooms written for a count (eligible_census says why): the
+-- tenants' windows for the phase joined as w_<phase> (alias s: the room).
+LEFT JOIN messenger.reaper_tenant_windows w_{phase}
+    ON w_{phase}.tenant_id = s.tenant_id AND w_{phase}.phase = '{phase}'
+
+-- fragment: phase_counted_own
+-- A counted room's own cutoff: its tenant's window (phase_window_join), else
+-- the default.
+-- include: {phase}_selects
+AND s.{since} <= coalesce(CAST(:as_of AS timestamptz) - w_{phase}.window_length,
+                          CAST(:{phase}_cutoff AS timestamptz))
+
+-- fragment: phase_counted
+-- The phase's rooms for a count: the range bound computed here, then each
+-- room's own cutoff.
+s.{since} <= greatest(CAST(:{phase}_cutoff AS timestamptz),
+        CAST(:as_of AS timestamptz)
+        - (SELECT min(q.window_length) FROM messenger.reaper_tenant_windows q
+           WHERE q.phase = '{phase}'))
+AND
+    -- include: phase_counted_own
+
+-- fragment: phase_counted_earlier
+-- Not a room an earlier phase selects (precedence follows the phases' order).
+AND (
+    -- include: phase_counted_own
+) IS NOT TRUE
+
+-- name: guard_eligible
+-- for each phase
+-- The mass-closure guard's first input (a guarded phase): the conferences the
+-- phase would end now, each by its own tenant's window (else the default). A
+-- range of the phase's partial index to the widest cutoff, so a quiet cycle
+-- costs what the rooms in that range cost, not what the live ones do
 -- (docs/reliability.md#the-mass-closure-guard). Written for a count, as
 -- eligible_census is.
 SELECT count(*)
 FROM messenger.conference_sessions s
-LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
+-- include: phase_window_join
 WHERE
-    -- include: stale_live_counted
+    -- include: phase_counted
     AND s.id <> ALL (CAST(:excluded AS uuid[]));
 
 -- name: active_count
@@ -318,68 +353,43 @@ held AS (
       AND p.id NOT IN (SELECT r.id FROM roster_claimed r)
 ),
 
--- fragment: empty_room_cutoff
+-- fragment: phase_cutoff
 -- The rooms' own cutoffs (docs/design.md#windows-per-tenant): :as_of minus the
 -- tenant's window for the phase, else the phase's default cutoff. One probe of
--- the policies' primary key per row (alias s: the room), which keeps a claim in
+-- the windows' primary key per row (alias s: the room), which keeps a claim in
 -- index order. Expressions: a phase's rooms are compared with them, and the
 -- lateness of a closed room is measured from them.
 coalesce(CAST(:as_of AS timestamptz)
-         - (SELECT p.empty_room_grace
-            FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-         CAST(:empty_cutoff AS timestamptz))
+         - (SELECT w.window_length
+            FROM messenger.reaper_tenant_windows w
+            WHERE w.tenant_id = s.tenant_id AND w.phase = '{phase}'),
+         CAST(:{phase}_cutoff AS timestamptz))
 
--- fragment: provision_timeout_cutoff
-coalesce(CAST(:as_of AS timestamptz)
-         - (SELECT p.provision_timeout
-            FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-         CAST(:provision_cutoff AS timestamptz))
+-- fragment: phase_rooms
+-- A phase's rooms (alias s), written once for its claims, its batch candidates
+-- and reaper plan: its predicate, the index range to the widest cutoff (the
+-- header; :<phase>_range), then the room's own cutoff. (A later phase's claim
+-- needs no exclusion: the phases run in order, and an earlier one's rooms are
+-- closed by then; a census and reaper plan leave them out themselves.)
+-- include: {phase}_selects
+AND s.{since} <= CAST(:{phase}_range AS timestamptz)
+AND s.{since} <=
+    -- include: phase_cutoff
 
--- fragment: stale_live_cutoff
-coalesce(CAST(:as_of AS timestamptz)
-         - (SELECT p.stale_live_timeout
-            FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id),
-         CAST(:stale_cutoff AS timestamptz))
-
--- fragment: empty_room_rooms
--- Each phase's rooms (alias s), written once for its claims, its batch
--- candidates and reaper plan: the index range, to the widest cutoff (the
--- header; :<phase>_range), then the room's own cutoff.
-s.status = 'Active' AND s.active_participant_count = 0
-AND s.last_activity_at <= CAST(:empty_range AS timestamptz)
-AND s.last_activity_at <=
-    -- include: empty_room_cutoff
-
--- fragment: provision_timeout_rooms
-s.status = 'Provisioning'
-AND s.created_at <= CAST(:provision_range AS timestamptz)
-AND s.created_at <=
-    -- include: provision_timeout_cutoff
-
--- fragment: stale_live_rooms
--- (the phase runs after empty_room: the rooms that one closes are gone by then;
--- a census and reaper plan leave them out themselves)
-s.status = 'Active'
-AND s.last_activity_at <= CAST(:stale_range AS timestamptz)
-AND s.last_activity_at <=
-    -- include: stale_live_cutoff
-
--- fragment: empty_room_order
--- The order a phase claims its rooms in, oldest first: its partial index's.
-s.last_activity_at
-
--- fragment: provision_timeout_order
-s.created_at
-
--- fragment: stale_live_order
-s.last_activity_at
+-- fragment: phase_rooms_earlier
+-- Not a room an earlier phase selects (reaper plan: precedence follows ORDER).
+AND (
+    -- include: {phase}_selects
+    AND s.{since} <=
+        -- include: phase_cutoff
+) IS NOT TRUE
 
 -- fragment: batch_rooms
 -- The rooms of a phase's batch: the phase's own (the statement is written once
 -- per phase, so it holds that phase's predicate and no other), less the ones
 -- left out (:excluded), and when isolating a poison row, these ids only
 -- (:only; NULL: any).
--- include: {phase}_rooms
+-- include: phase_rooms
 AND s.id <> ALL (CAST(:excluded AS uuid[]))
 AND (CAST(:only AS uuid[]) IS NULL OR s.id = ANY (CAST(:only AS uuid[])))
 
@@ -393,8 +403,7 @@ visible AS (
     FROM messenger.conference_sessions s
     WHERE
         -- include: batch_rooms
-    ORDER BY
-        -- include: {phase}_order
+    ORDER BY s.{since}
     LIMIT :batch_size
 ),
 -- include: fence
@@ -404,8 +413,7 @@ claimed AS (
     WHERE
         -- include: batch_rooms
         AND EXISTS (SELECT FROM fence)
-    ORDER BY
-        -- include: {phase}_order
+    ORDER BY s.{since}
     LIMIT :batch_size
     FOR UPDATE SKIP LOCKED
 ),
@@ -470,13 +478,13 @@ SELECT 'fenced', NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE NOT EXISTS (SELECT FROM fence)
 
 -- name: end_active_batch
--- phases: empty_room stale_live
+-- for each phase becoming Ended
 WITH
 -- include: claim
 closed AS (
     UPDATE messenger.conference_sessions s
-    SET status = 'Ended',
-        end_reason = :end_reason,
+    SET status = '{status}',
+        end_reason = '{end_reason}',
         ended_at = :as_of,
         updated_at = :as_of,
         -- NULL when started_at cannot give one (the fragment no_duration)
@@ -493,12 +501,14 @@ closed AS (
     -- holds this.
     WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c
                             WHERE c.id NOT IN (SELECT h.id FROM held h)))
-      AND s.status = 'Active'
+      -- the status guard: the phase's predicate, on the row's latest version
+      AND
+          -- include: {phase}_selects
     -- why it has no duration; its own cutoff (the lateness below)
     RETURNING s.*,
               -- include: no_duration
               AS anomaly,
-              -- include: {phase}_cutoff
+              -- include: phase_cutoff
               AS own_cutoff
 ),
 -- include: close_roster
@@ -574,7 +584,7 @@ realtime AS (
            now()
     FROM closed e
 )
--- lateness_seconds: from the moment the room became eligible (last_activity_at
+-- lateness_seconds: from the moment the room became eligible ({since}
 -- + its own window, as_of - own_cutoff: its tenant's, else the default) to this
 -- statement, which commits right after: a queue wait or a late phase shows in
 -- it (the SLO's measure).
@@ -584,8 +594,8 @@ SELECT 'reaped' AS kind, e.id::text AS conference_id, e.chat_id::text AS chat_id
        -- an anomaly: why there is no duration (conference.anomaly)
        e.anomaly AS detail,
        e.tenant_id::text AS tenant_id,
-       CASE WHEN isfinite(e.last_activity_at)
-            THEN extract(epoch FROM clock_timestamp() - e.last_activity_at
+       CASE WHEN isfinite(e.{since})
+            THEN extract(epoch FROM clock_timestamp() - e.{since}
                                     - (CAST(:as_of AS timestamptz) - e.own_cutoff))::float8
        END AS lateness_seconds
 FROM closed e
@@ -596,23 +606,26 @@ FROM ended_recordings e
 CROSS JOIN LATERAL unnest(e.running_ids) AS running(id);
 
 -- name: fail_provisioning_batch
--- phases: provision_timeout
+-- for each phase not becoming Ended
 WITH
+-- A phase whose rooms do not become Ended (provision_timeout's fail): a
+-- realtime signal, no event.
 -- include: claim
 closed AS (
     UPDATE messenger.conference_sessions s
-    SET status = 'Failed',
-        end_reason = 'Error',
+    SET status = '{status}',
+        end_reason = '{end_reason}',
         ended_at = :as_of,
         updated_at = :as_of,
         active_participant_count = 0
     -- as in end_active_batch: by key, the claim checked the rest
     WHERE s.id = ANY (ARRAY(SELECT c.id FROM claimed c
                             WHERE c.id NOT IN (SELECT h.id FROM held h)))
-      AND s.status = 'Provisioning'
+      AND
+          -- include: {phase}_selects
     -- its own cutoff (the lateness below)
     RETURNING s.*,
-              -- include: provision_timeout_cutoff
+              -- include: phase_cutoff
               AS own_cutoff
 ),
 -- include: close_roster
@@ -622,7 +635,7 @@ realtime AS (
     SELECT 'ConferenceSignal', 'ChatGroup', f.chat_id, 'Conference', f.id,
            jsonb_build_object(
                'conferenceId', f.id, 'chatId', f.chat_id, 'status', f.status,
-               'endReason', f.end_reason, 'signal', 'Failed'),
+               'endReason', f.end_reason, 'signal', f.status),
            now()
     FROM closed f
 )
@@ -630,9 +643,9 @@ realtime AS (
 SELECT 'reaped' AS kind, f.id::text AS conference_id, f.chat_id::text AS chat_id,
        f.deal_id::text AS deal_id, f.duration_seconds, NULL::text AS detail,
        f.tenant_id::text AS tenant_id,
-       -- from created_at + its own window to this statement (see end_active_batch)
-       CASE WHEN isfinite(f.created_at)
-            THEN extract(epoch FROM clock_timestamp() - f.created_at
+       -- from {since} + its own window to this statement (see end_active_batch)
+       CASE WHEN isfinite(f.{since})
+            THEN extract(epoch FROM clock_timestamp() - f.{since}
                                     - (CAST(:as_of AS timestamptz) - f.own_cutoff))::float8
        END AS lateness_seconds
 FROM closed f
@@ -651,7 +664,7 @@ CROSS JOIN LATERAL (
 ) r;
 
 -- name: batch_candidates
--- phases: empty_room provision_timeout stale_live
+-- for each phase
 -- The rows a phase's next batch would claim (its visible CTE: the same rooms),
 -- not locked: a batch the database refused is retried in halves of these,
 -- until the row it refuses is alone (cycle.PhaseBatches._isolate).
@@ -659,8 +672,7 @@ SELECT s.id::text
 FROM messenger.conference_sessions s
 WHERE
     -- include: batch_rooms
-ORDER BY
-    -- include: {phase}_order
+ORDER BY s.{since}
 LIMIT :batch_size;
 
 -- name: mark_stop_requested
@@ -678,6 +690,9 @@ SET stop_attempts = stop_attempts + 1,
         CAST(:backoff_initial_s AS float8) * power(2, least(stop_attempts, 30))))
 WHERE id = ANY (CAST(:recording_ids AS uuid[])) AND stop_requested_at IS NULL;
 
+-- fragment: phase_end_reason
+'{end_reason}'
+
 -- name: claim_stops_due
 -- The stop signals due now, claimed for one pass (reaper/recorder.py StopPass):
 -- recordings still running on rooms the reaper ended within the retry window,
@@ -691,7 +706,11 @@ WITH due AS (
     SELECT r.id, s.id AS conference_id, s.end_reason
     FROM messenger.conference_sessions s
     JOIN messenger.call_recordings r ON r.conference_id = s.id
-    WHERE s.end_reason IN ('EmptyTimeout', 'Timeout', 'Error')
+    -- the end reasons of the phases (the partial index ix_conf_reaped, migration
+    -- 0007, must list each: tests/test_phase_lists.py)
+    WHERE s.end_reason IN (
+          -- include each phase joined by ,: phase_end_reason
+          )
       AND s.ended_at >= clock_timestamp() - make_interval(secs => :window_s)
       AND r.status IN ('Pending', 'Recording', 'Uploading')
       AND r.stop_requested_at IS NULL
@@ -947,11 +966,12 @@ SELECT messenger.delete_published_outbox(make_interval(secs => :retention_s), :b
 -- include: wait_lock(relay_marks)
 
 -- name: eligible_census
--- What the next cycle would select, per phase, with the phases' own
--- predicates (windows per tenant included); each conference counted once, in
--- the first phase that selects it (a terminal transition hides it from the
--- later ones: stale_live counts the occupied rooms, and the empty ones their
--- tenant's grace still keeps). The sum is messenger_conf_reaper_active_backlog.
+-- What the next cycle would select, per phase (one row each, in their order),
+-- with the phases' own predicates (windows per tenant included); each
+-- conference counted once, in the first phase that selects it (a terminal
+-- transition hides it from the later ones: stale_live counts the occupied
+-- rooms, and the empty ones their tenant's grace still keeps). The sum is
+-- messenger_conf_reaper_active_backlog.
 -- Each count is a range of its phase's partial index, to the widest cutoff: it
 -- costs what the rooms in that range cost, never what the live ones do.
 -- Written for a count (the claims need an order, a count does not):
@@ -960,87 +980,52 @@ SELECT messenger.delete_published_outbox(make_interval(secs => :retention_s), :b
 --     then estimates a third of the partial index and stays on it. Given as a
 --     constant that covers most live rooms (a 1 h stale-live policy), the
 --     planner picks a sequential scan of the whole table instead;
---   the policies are joined (one hash of the small table) rather than probed
+--   the windows are joined (one hash of the small table) rather than probed
 --     per row: a probe per row is ten times slower on a large backlog.
--- *_since: when the oldest one became eligible (its last_activity_at or
--- created_at plus its own window).
-SELECT e.n AS empty_room, e.since AS empty_room_since,
-       pr.n AS provision_timeout, pr.since AS provision_timeout_since,
-       l.n AS stale_live, l.since AS stale_live_since
-FROM (SELECT count(*) AS n,
-             min(s.last_activity_at + coalesce(p.empty_room_grace,
-                 CAST(:as_of AS timestamptz) - CAST(:empty_cutoff AS timestamptz))) AS since
-      FROM messenger.conference_sessions s
-      LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
-      WHERE
-        -- include: empty_room_counted
-     ) e,
-     (SELECT count(*) AS n,
-             min(s.created_at + coalesce(p.provision_timeout,
-                 CAST(:as_of AS timestamptz) - CAST(:provision_cutoff AS timestamptz))) AS since
-      FROM messenger.conference_sessions s
-      LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
-      WHERE
-        -- include: provision_timeout_counted
-     ) pr,
-     (SELECT count(*) AS n,
-             min(s.last_activity_at + coalesce(p.stale_live_timeout,
-                 CAST(:as_of AS timestamptz) - CAST(:stale_cutoff AS timestamptz))) AS since
-      FROM messenger.conference_sessions s
-      LEFT JOIN messenger.reaper_tenant_policies p ON p.tenant_id = s.tenant_id
-      WHERE
-        -- include: stale_live_counted
-        AND (s.active_participant_count <> 0
-             OR s.last_activity_at > coalesce(CAST(:as_of AS timestamptz) - p.empty_room_grace,
-                                              CAST(:empty_cutoff AS timestamptz)))) l;
+-- since: when the oldest one became eligible (the column its lateness counts
+-- from, plus its own window).
+-- include each phase joined by UNION ALL: phase_census
+
+-- fragment: phase_census
+(SELECT '{phase}' AS phase, count(*) AS n,
+        min(s.{since} + coalesce(w_{phase}.window_length,
+            CAST(:as_of AS timestamptz) - CAST(:{phase}_cutoff AS timestamptz))) AS since
+ FROM messenger.conference_sessions s
+ -- include: phase_window_join
+ -- include each earlier phase: phase_window_join
+ WHERE
+     -- include: phase_counted
+     -- include each earlier phase: phase_counted_earlier
+)
 
 -- name: plan_candidates
 -- reaper plan: the conferences of eligible_census (same predicates, same
--- phase assignment), in the phases' order (:phases), each phase's oldest first,
--- at most :per_phase per phase, each from its phase's index range.
+-- phase assignment), in the phases' order, each phase's oldest first, at most
+-- :per_phase per phase, each from its phase's index range.
 -- tenant_window: the tenant's window that applies (NULL: the default).
--- anomaly: why the room will be closed without a duration (no_duration).
-WITH candidates AS (
-    (SELECT 'empty_room' AS phase, s.*
-     FROM messenger.conference_sessions s
-     WHERE
-         -- include: empty_room_rooms
-     ORDER BY s.last_activity_at, s.id
-     LIMIT :per_phase)
-    UNION ALL
-    (SELECT 'provision_timeout' AS phase, s.*
-     FROM messenger.conference_sessions s
-     WHERE
-         -- include: provision_timeout_rooms
-     ORDER BY s.created_at, s.id
-     LIMIT :per_phase)
-    UNION ALL
-    (SELECT 'stale_live' AS phase, s.*
-     FROM messenger.conference_sessions s
-     WHERE
-         -- include: stale_live_rooms
-         -- less the rooms empty_room closes first
-         AND (s.active_participant_count <> 0
-              OR NOT s.last_activity_at <=
-                  -- include: empty_room_cutoff
-              )
-     ORDER BY s.last_activity_at, s.id
-     LIMIT :per_phase)
-)
+-- anomaly: why the room would be closed without a duration (no_duration;
+-- reaper/overview.py keeps it for the phases that end rooms with one).
 SELECT s.phase, s.id AS conference_id, s.chat_id, s.deal_id, s.tenant_id, s.status,
        s.created_at, s.started_at, s.last_activity_at, s.active_participant_count,
-       (SELECT CASE s.phase WHEN 'empty_room' THEN p.empty_room_grace
-                            WHEN 'provision_timeout' THEN p.provision_timeout
-                            ELSE p.stale_live_timeout END
-        FROM messenger.reaper_tenant_policies p WHERE p.tenant_id = s.tenant_id)
-           AS tenant_window,
-       CASE WHEN s.phase <> 'provision_timeout' THEN
-           -- include: no_duration
-       END AS anomaly
-FROM candidates s
-ORDER BY array_position(CAST(:phases AS text[]), s.phase),
-         CASE WHEN s.phase = 'provision_timeout' THEN s.created_at ELSE s.last_activity_at END,
-         s.id;
+       s.tenant_window,
+       -- include: no_duration
+       AS anomaly
+FROM (
+    -- include each phase joined by UNION ALL: phase_plan
+) s
+ORDER BY s.rank, s.since, s.id;
+
+-- fragment: phase_plan
+(SELECT '{phase}' AS phase, s.*,
+        (SELECT w.window_length FROM messenger.reaper_tenant_windows w
+         WHERE w.tenant_id = s.tenant_id AND w.phase = '{phase}') AS tenant_window,
+        array_position(CAST(:phases AS text[]), '{phase}') AS rank, s.{since} AS since
+ FROM messenger.conference_sessions s
+ WHERE
+     -- include: phase_rooms
+     -- include each earlier phase: phase_rooms_earlier
+ ORDER BY s.{since}, s.id
+ LIMIT :per_phase)
 
 -- name: backend_activity
 -- Who a backend pid is (reaper status: the lock holder).
@@ -1082,53 +1067,46 @@ RETURNING phase, reason, paused_by,
           (paused_until IS NULL OR paused_until > clock_timestamp()) AS in_force;
 
 -- name: tenant_window_bounds
--- The shortest window of each kind any tenant policy sets (NULL: none); with the
--- defaults they give each phase's widest cutoff (phases.range_cutoff). Read
--- once per phase, and by reaper plan.
-SELECT min(empty_room_grace) AS empty_room, min(provision_timeout) AS provision_timeout,
-       min(stale_live_timeout) AS stale_live
-FROM messenger.reaper_tenant_policies;
+-- The shortest window of each phase any tenant sets (a phase no tenant sets
+-- has no row); with the defaults they give each phase's widest cutoff
+-- (phases.range_cutoff). Read once per phase, and by reaper plan.
+SELECT phase, min(window_length) AS shortest
+FROM messenger.reaper_tenant_windows
+GROUP BY phase;
 
--- name: set_tenant_policy
--- reaper policy set: the given windows merged into the tenant's policy (a
--- window not given keeps its value; a new policy has only the given ones).
+-- name: set_tenant_window
+-- reaper policy set: a tenant's window for one phase, replacing the one it had.
 -- The row stays locked until the caller's transaction ends, which checks the
--- merged windows against each other (reaper/control.py) and rolls back on a
+-- tenant's windows against each other (reaper/control.py) and rolls back on a
 -- refusal. Windows are stored as seconds, without a day part, so that
 -- as_of - window is exact in any session time zone.
-INSERT INTO messenger.reaper_tenant_policies AS p
-    (tenant_id, empty_room_grace, provision_timeout, stale_live_timeout, updated_at, updated_by)
-VALUES (CAST(:tenant_id AS uuid),
-        make_interval(secs => CAST(:empty_room_grace_s AS float8)),
-        make_interval(secs => CAST(:provision_timeout_s AS float8)),
-        make_interval(secs => CAST(:stale_live_timeout_s AS float8)),
+INSERT INTO messenger.reaper_tenant_windows AS w
+    (tenant_id, phase, window_length, updated_at, updated_by)
+VALUES (CAST(:tenant_id AS uuid), :phase, make_interval(secs => CAST(:window_s AS float8)),
         clock_timestamp(), :by)
-ON CONFLICT (tenant_id) DO UPDATE
-SET empty_room_grace = coalesce(EXCLUDED.empty_room_grace, p.empty_room_grace),
-    provision_timeout = coalesce(EXCLUDED.provision_timeout, p.provision_timeout),
-    stale_live_timeout = coalesce(EXCLUDED.stale_live_timeout, p.stale_live_timeout),
+ON CONFLICT (tenant_id, phase) DO UPDATE
+SET window_length = EXCLUDED.window_length,
     updated_at = EXCLUDED.updated_at,
-    updated_by = EXCLUDED.updated_by
-RETURNING p.tenant_id::text AS tenant_id, p.empty_room_grace, p.provision_timeout,
-          p.stale_live_timeout, p.updated_at, p.updated_by;
+    updated_by = EXCLUDED.updated_by;
 
--- name: unset_tenant_policy
--- reaper policy unset: the tenant's conferences get the defaults again.
-DELETE FROM messenger.reaper_tenant_policies
+-- name: unset_tenant_windows
+-- reaper policy unset: the tenant's conferences get the defaults again; the
+-- windows it had, each phase's row.
+DELETE FROM messenger.reaper_tenant_windows
 WHERE tenant_id = CAST(:tenant_id AS uuid)
-RETURNING tenant_id::text AS tenant_id, empty_room_grace, provision_timeout,
-          stale_live_timeout, updated_at, updated_by;
+RETURNING tenant_id::text AS tenant_id, phase, window_length, updated_at, updated_by;
 
--- name: tenant_policies
--- reaper policy list.
-SELECT tenant_id::text AS tenant_id, empty_room_grace, provision_timeout, stale_live_timeout,
-       updated_at, updated_by
-FROM messenger.reaper_tenant_policies
-ORDER BY tenant_id;
+-- name: tenant_windows
+-- reaper policy list, and a tenant's windows (:tenant_id; NULL: every tenant's):
+-- one row per tenant and phase.
+SELECT tenant_id::text AS tenant_id, phase, window_length, updated_at, updated_by
+FROM messenger.reaper_tenant_windows
+WHERE CAST(:tenant_id AS uuid) IS NULL OR tenant_id = CAST(:tenant_id AS uuid)
+ORDER BY tenant_id, phase;
 
 -- name: tenant_policy_count
--- reaper status.
-SELECT count(*) FROM messenger.reaper_tenant_policies;
+-- reaper status: the tenants with a window of their own.
+SELECT count(DISTINCT tenant_id) FROM messenger.reaper_tenant_windows;
 
 -- name: last_run_completed
 -- When a run last completed, whichever replica ran it (the database's clock):
