@@ -23,11 +23,8 @@ from tests.support.factory import T0
 from tests.support.processes import ROOT
 
 REAPER = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "reaper")
-PHASE_OF_REASON = {
-    ("Ended", "EmptyTimeout"): "empty_room",
-    ("Failed", "Error"): "provision_timeout",
-    ("Ended", "Timeout"): "stale_live",
-}
+# what a room became says which phase closed it
+PHASE_OF_REASON = {(p.status, p.end_reason): p.name for p in IN_ORDER}
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -142,11 +139,7 @@ def test_plan_lists_exactly_what_the_next_cycle_closes(settings, engine):
     assert result["failed_count"] == 0
     assert planned["would_close"] == len(would_close)
     counts = {name: p["would_close"] for name, p in planned["phases"].items()}
-    assert counts == {
-        "empty_room": result["empty_timeout_count"],
-        "provision_timeout": result["provision_failed_count"],
-        "stale_live": result["stale_timeout_count"],
-    }
+    assert counts == {p.name: result[p.count_key] for p in IN_ORDER}
     # and the cycle left nothing the plan would still list
     assert plan(engine, settings, T0, per_phase=100)["would_close"] == 0
 

@@ -245,11 +245,8 @@ WILL_CLOSE = {
     "c:stale_5h": "stale_live",
     "c:stale_7h": "stale_live",
 }
-PHASE_OF = {
-    ("Ended", "EmptyTimeout"): "empty_room",
-    ("Failed", "Error"): "provision_timeout",
-    ("Ended", "Timeout"): "stale_live",
-}
+# what a room became says which phase closed it
+PHASE_OF = {(p.status, p.end_reason): p.name for p in PHASES.values()}
 
 
 def set_mixed_policies(controls: Controls) -> None:
@@ -297,9 +294,7 @@ def test_plan_lists_exactly_what_the_next_cycle_closes_with_policies(settings, e
         }
     assert closed == WILL_CLOSE
     assert {name: p["would_close"] for name, p in planned["phases"].items()} == {
-        "empty_room": result["empty_timeout_count"],
-        "provision_timeout": result["provision_failed_count"],
-        "stale_live": result["stale_timeout_count"],
+        p.name: result[p.count_key] for p in PHASES.values()
     }
     assert plan(engine, settings, T0, per_phase=100)["would_close"] == 0
 
@@ -438,11 +433,13 @@ def test_refused_windows_change_nothing(settings, engine, windows, option):
 def test_the_floors_are_one_polling_interval_and_fifteen_minutes(database_url, engine):
     settings = Settings(database_url=database_url, polling_interval=timedelta(minutes=1))
     controls = Controls(engine, settings)
+    # a guarded phase ends occupied rooms: its floor is STALE_LIVE_FLOOR; any
+    # other phase's is one polling interval (here 1 minute)
     assert floors(settings) == {
-        "empty_room_grace": timedelta(minutes=1),
-        "provision_timeout": timedelta(minutes=1),
-        "stale_live_timeout": STALE_LIVE_FLOOR,
+        p.setting: STALE_LIVE_FLOOR if p.guarded else timedelta(minutes=1) for p in PHASES.values()
     }
+    assert floors(settings)["stale_live_timeout"] == STALE_LIVE_FLOOR
+    assert floors(settings)["empty_room_grace"] == timedelta(minutes=1)
     assert timedelta(minutes=15) == STALE_LIVE_FLOOR
     for name, option in OPTIONS.items():
         floor = floors(settings)[name]

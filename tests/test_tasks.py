@@ -24,7 +24,7 @@ from celery.signals import task_failure, task_prerun, task_success
 from sqlalchemy import Engine
 
 from reaper.cycle import Reaper
-from reaper.phases import EMPTY_ROOM, ORDER, PROVISION_TIMEOUT, STALE_LIVE
+from reaper.phases import EMPTY_ROOM, IN_ORDER, ORDER, PROVISION_TIMEOUT, STALE_LIVE
 from reaper.runs import COUNT_KEYS
 from tests.support import factory as f
 from tests.support.results import CYCLE_RESULT_KEYS, RELAY_RESULT_KEYS
@@ -197,7 +197,8 @@ def test_a_cycle_that_ended_rooms_asks_the_relay_on_its_own_queue(
     relay = tasks.wait_for("reaper.relay_outbox")
     assert tasks.names().index("reaper.relay_outbox") > tasks.names().index("reaper.reap_phase")
     assert relay.error is None and set(relay.result) == RELAY_RESULT_KEYS
-    ended = end.result["empty_timeout_count"] + end.result["stale_timeout_count"]
+    # an event per room a phase ended (Phase.ends_active), none per room it failed
+    ended = sum(end.result[p.count_key] for p in IN_ORDER if p.ends_active)
     assert relay.result["published"] + relay.result["pending"] == ended == 2
 
 
@@ -223,10 +224,12 @@ def test_a_phase_by_hand_is_a_cycle_of_that_phase_alone(
     from reaper.tasks import reap_phase
 
     seed_one_per_phase(engine)
-    reap_phase.delay("stale_live")
+    reap_phase.delay(STALE_LIVE.name)
     ran = tasks.wait_for("reaper.reap_phase")
     assert set(ran.result) == CYCLE_RESULT_KEYS
-    assert [ran.result[key] for key in COUNT_KEYS] == [0, 0, 1, 0, 0]
+    assert {key: ran.result[key] for key in COUNT_KEYS} == {
+        key: int(key == STALE_LIVE.count_key) for key in COUNT_KEYS
+    }
     assert tasks.names() == ["reaper.reap_phase"]  # no chain
 
 

@@ -61,11 +61,7 @@ def test_cycle_phase_and_conference_spans_share_the_run_as_trace(
     assert cycle.attributes["reaper.failed_count"] == 1
 
     phases = by_name["reaper.phase"]
-    assert [p.attributes["reaper.phase"] for p in phases] == [
-        "empty_room",
-        "provision_timeout",
-        "stale_live",
-    ]
+    assert [p.attributes["reaper.phase"] for p in phases] == list(ORDER)
     for phase in phases:
         assert phase.parent.span_id == cycle.context.span_id
         assert phase.context.trace_id == cycle.context.trace_id

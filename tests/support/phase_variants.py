@@ -14,9 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 # The phase a newer release would add: an Active room nobody ever joined, ended
-# a window after it started (the example; REAPER_POLLING_INTERVAL stands
-# in for its window here, a field of Settings this release has).
-EXTRA = "never_joined"
+# a window after it started (REAPER_POLLING_INTERVAL stands in for its window
+# here, a field of Settings this release has). Its name is one no real phase
+# would have, so a real phase added to reaper/phases.py never collides with it.
+EXTRA = "test_only_phase"
 EXTRA_SELECTS = (
     f"\n-- fragment: {EXTRA}_selects\n"
     "s.status = 'Active' AND s.active_participant_count = 0 AND s.peak_participant_count = 0\n"
