@@ -19,7 +19,7 @@ from opentelemetry.trace import StatusCode
 
 from reaper import tracing
 from reaper.cycle import Reaper
-from reaper.phases import ORDER
+from reaper.phases import EMPTY_ROOM, ORDER, STALE_LIVE
 from tests.support import factory as f
 from tests.support.factory import T0
 from tests.support.processes import ROOT
@@ -76,8 +76,9 @@ def test_cycle_phase_and_conference_spans_share_the_run_as_trace(
     assert reaped.attributes["correlationId"] == run_id
     # eligible 10 s before the cycle's as_of, closed a little later
     assert reaped.attributes["reaper.lateness_seconds"] == pytest.approx(10.0, abs=1.0)
-    assert reaped.parent.span_id == phases[0].context.span_id
-    assert conferences[stale["id"]].parent.span_id == phases[2].context.span_id
+    span_of = {p.attributes["reaper.phase"]: p for p in phases}
+    assert reaped.parent.span_id == span_of[EMPTY_ROOM.name].context.span_id
+    assert conferences[stale["id"]].parent.span_id == span_of[STALE_LIVE.name].context.span_id
     assert conferences[poison["id"]].status.status_code is StatusCode.ERROR
 
 
