@@ -4,8 +4,9 @@
 triggers that kept it in step with the windows' rows (0015) go. The release
 before this one (0.4.0) reads and writes that table, so this breaks it: applied
 by ``reaper migrate --contract`` once no worker or command of 0.4.0 runs
-(docs/runbooks/conference-room-reaper.md#deploying-a-release). The downgrade makes the table again from the rows
-(the windows of the three phases it has columns for) with the triggers of 0015.
+(docs/runbooks/conference-room-reaper.md#deploying-a-release). The downgrade
+makes the table again from the rows (the windows of the three phases it has
+columns for) with the triggers of 0015.
 
 Revision ID: 0016
 Revises: 0015
