@@ -197,6 +197,11 @@ LEDGER_KAFKA_SLACK = timedelta(minutes=5)
 # instead of hanging it. A night's events of a busy deployment are read in
 # seconds; several Kafka timeouts on top cover a slow metadata answer.
 LEDGER_KAFKA_READ = timedelta(minutes=2)
+# How many times the ledger's consumer tries to bootstrap (each within half the
+# Kafka timeout) before the read fails: a broker just restarted, or slow on a
+# busy host, can let one bootstrap time out (seen in a fault campaign: no
+# verdict after a healed outage); three in a row that fail mean it is down.
+LEDGER_KAFKA_CONNECTS = 3
 # One poll of the ledger's consumer, and its wait between metadata requests
 # for a topic not known yet: short, so the read notices its end (an empty poll
 # after the end offsets) and its deadline promptly.

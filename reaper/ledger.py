@@ -446,6 +446,19 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
     return config
 
 
+def connect(settings: Settings, consumer_type: Any, error_type: type[Exception]) -> Any:
+    """The ledger's consumer, bootstrapped within budgets.LEDGER_KAFKA_CONNECTS tries."""
+    tries = 1
+    while True:
+        try:
+            return consumer_type(**consumer_config(settings))
+        except error_type as exc:
+            if tries >= budgets.LEDGER_KAFKA_CONNECTS:
+                raise KafkaUnreadable(f"Kafka {settings.kafka_bootstrap_servers}: {exc}") from exc
+        tries += 1
+        time.sleep(budgets.LEDGER_POLL.total_seconds())
+
+
 def read_topic(settings: Settings, topic: str, since: datetime) -> list[Record]:
     """Every record of ``topic`` with a timestamp from ``since`` up to the end
     offsets the read began with, within budgets.ledger_kafka_read."""
@@ -454,10 +467,7 @@ def read_topic(settings: Settings, topic: str, since: datetime) -> list[Record]:
 
     deadline = time.monotonic() + budgets.ledger_kafka_read(settings).total_seconds()
     since_ms = int(since.timestamp() * 1000)
-    try:
-        consumer = KafkaConsumer(**consumer_config(settings))
-    except KafkaError as exc:
-        raise KafkaUnreadable(f"Kafka {settings.kafka_bootstrap_servers}: {exc}") from exc
+    consumer = connect(settings, KafkaConsumer, KafkaError)
     try:
         partitions = None
         while partitions is None:

@@ -18,11 +18,13 @@ from tests.support.figures import figure
 pytestmark = pytest.mark.process
 
 REGRESSIONS = sorted((Path(__file__).parent / "campaign" / "regressions").glob("*.json"))
-# The seed CI runs, chosen for what its 3.5 minutes hold (11 faults, 3 at once):
-# a lock holder frozen past its lease (a takeover), the broker's answers dropped
-# (a relay retry and a duplicate publish), a worker killed and Redis restarted
-# while a run is open (a chain to rescue), PostgreSQL restarted, a relay pass
-# frozen, a worker rolled.
+# The seed CI runs, for what its 3.5 minutes hold (11 faults, 3 at once): a
+# pool child killed, a lock holder frozen past its lease (a takeover), a relay
+# pass killed while the broker's answers were dropped (a duplicate publish,
+# then a retry), a relay pass frozen, Redis restarted, the beat and a worker's
+# parent killed while a run is open (a chain to rescue), a held snapshot and
+# held rows, the lock's session ended. The plan is drawn from the kinds in
+# tests/campaign/bounds.py: a new kind draws another plan for the same seed.
 FIXED_SEED = 20261207
 FIXED_MINUTES = 3.5
 

@@ -316,3 +316,35 @@ def test_since_and_until_take_a_moment_or_a_duration_ago():
     for bad in ("", "2", "h", "-2h", "0m", "yesterday", "2h30"):
         with pytest.raises(ValueError):
             parse_moment(bad)
+
+
+def test_a_bootstrap_that_times_out_once_is_tried_again_then_the_read_fails():
+    """A broker just restarted can let one bootstrap time out; the ledger tries
+    budgets.LEDGER_KAFKA_CONNECTS times before it gives no verdict (a campaign
+    saw a healed outage end with 'could not read' on one slow bootstrap)."""
+    from reaper import budgets
+    from reaper.config import Settings
+    from reaper.ledger import KafkaUnreadable, connect
+
+    class Refused(Exception):
+        pass
+
+    def failing(times: int):
+        tries: list[dict[str, Any]] = []
+
+        def consumer(**config: Any) -> object:
+            tries.append(config)
+            if len(tries) <= times:
+                raise Refused(f"timed out bootstrapping (try {len(tries)})")
+            return "consumer"
+
+        return consumer, tries
+
+    settings = Settings()
+    consumer, tries = failing(budgets.LEDGER_KAFKA_CONNECTS - 1)
+    assert connect(settings, consumer, Refused) == "consumer"
+    assert len(tries) == budgets.LEDGER_KAFKA_CONNECTS
+    consumer, tries = failing(budgets.LEDGER_KAFKA_CONNECTS)
+    with pytest.raises(KafkaUnreadable, match="try 3"):
+        connect(settings, consumer, Refused)
+    assert len(tries) == budgets.LEDGER_KAFKA_CONNECTS

@@ -35,6 +35,10 @@ RECOVERY_BOUNDS: dict[str, float] = {
     # the broker's answers dropped (a one-way partition): the records land,
     # the relay never hears so, and sends them again once the answers pass
     "drop_kafka_answers": 15.0,
+    # a relay pass killed while its acknowledgements were dropped: its lock
+    # session dies with it, the answers pass again, the next pass (a tick of
+    # beat, or a cycle's request) sends its rows again
+    "kill_relay": 15.0,
     # a crash of the server: every session gone, the pools reconnect
     "restart_postgres": 15.0,
     "restart_redis": 15.0,

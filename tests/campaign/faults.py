@@ -27,6 +27,10 @@ RUN_LOCK = "messenger.conference-room-reaper"
 RELAY_LOCK = "messenger.conference-room-reaper.relay"
 # How long a fault looks for its target (a lock holder, a pool child) before it misses.
 FIND_S = 8.0
+# how long a relay pass sends into dropped answers before it is killed: long
+# enough for a batch to reach the broker (milliseconds), short of the Kafka
+# timeout (3 s), after which the pass would give up on its own
+RELAY_SENDS_S = 1.0
 
 HOLDER = text(
     """
@@ -294,6 +298,35 @@ def _undrop_kafka_answers(world: World, fault: Injected) -> None:
     world.proxies["kafka"].heal()
 
 
+def _kill_relay(world: World, target: str) -> Injected:
+    """A relay pass dies after the broker wrote its records and before their
+    acknowledgements reached it (a node lost mid-pass): the broker's answers
+    are dropped, the pass that holds the relay lock sends into that silence for
+    RELAY_SENDS_S, and is killed. Its outbox rows were never deleted, so the
+    next pass sends them again: the duplicate publish that consumers, idempotent
+    per conference, must absorb (the relay's own producer cannot deduplicate a
+    process it did not survive)."""
+    backend, pid = wait_for(lambda: lock_holder(world, RELAY_LOCK), "relay pass")
+    n = world.proxies["kafka"].drop_answers()
+    time.sleep(RELAY_SENDS_S)
+    _signal(pid, signal.SIGKILL)
+    # a pass runs in a pool child, which the pool replaces; were it a worker
+    # itself, the heal starts that worker again
+    parent = [name for name, w in world.workers.items() if w.proc is not None and w.proc.pid == pid]
+    return Injected(
+        "kill_relay",
+        parent[0] if parent else "",
+        f"SIGKILL relay pass {pid} (backend {backend}) {RELAY_SENDS_S:g}s after the "
+        f"broker's answers were dropped on {n} connections",
+    )
+
+
+def _relay_killed(world: World, fault: Injected) -> None:
+    world.proxies["kafka"].heal()
+    if fault.target:
+        _restart_worker(world, fault)
+
+
 def _restart_postgres(world: World, target: str) -> Injected:
     assert world.pg is not None
     world.pg.stop("immediate")  # a crash: no goodbye to any client
@@ -384,6 +417,7 @@ INJECT: dict[str, Callable[[World, str], Injected]] = {
     "cut_redis": _cut("redis"),
     "cut_kafka": _cut("kafka"),
     "drop_kafka_answers": _drop_kafka_answers,
+    "kill_relay": _kill_relay,
     "restart_postgres": _restart_postgres,
     "restart_redis": _restart_redis,
     "terminate_lock_session": _terminate_lock_session,
@@ -412,6 +446,7 @@ HEAL: dict[str, Callable[[World, Injected], None]] = {
     "cut_redis": _uncut,
     "cut_kafka": _uncut,
     "drop_kafka_answers": _undrop_kafka_answers,
+    "kill_relay": _relay_killed,
     "restart_postgres": _start_postgres,
     "restart_redis": _start_redis,
     "terminate_lock_session": _nothing,
