@@ -403,6 +403,39 @@ def test_the_plan_check_sees_a_scan_of_all_candidates(seeded: Engine) -> None:
     assert any("scan" in p and "conference_sessions" in p for p in found), found
 
 
+def joined_windows(plan: dict[str, Any]) -> list[str]:
+    """The scans of the tenants' windows joined to the rooms (not a subquery's: the
+    range bound's InitPlan, a probe per row)."""
+    return [
+        node.get("Index Cond") or node.get("Filter", "")
+        for node, ancestors in nodes(plan)
+        if node.get("Relation Name") == "reaper_tenant_windows"
+        and not any(
+            n.get("Parent Relationship") in ("InitPlan", "SubPlan") for n in (*ancestors, node)
+        )
+    ]
+
+
+@pytest.mark.parametrize("moment", ["backlog", "quiet"])
+def test_the_census_joins_each_phase_s_windows_once(
+    seeded: Engine, policies: int, moment: str
+) -> None:
+    """Each phase's count joins its own windows, and nothing more: an earlier
+    phase's window is a probe, reached only for a room that phase's predicate
+    selects (none, where the two phases cannot select the same room). Joined for
+    every earlier phase, the census planned and ran a join per pair of phases,
+    and (under an unknown range bound) hashed the windows table for each."""
+    as_of = T0 if moment == "backlog" else T0 - timedelta(hours=7)
+    with seeded.connect() as conn:
+        sql = "EXPLAIN (FORMAT JSON) " + STATEMENTS["eligible_census"].text
+        given = {"as_of": as_of, **bounds(conn, as_of)}
+        plan = conn.execute(text(sql), given).scalar_one()[0]["Plan"]
+    joined = joined_windows(plan)
+    assert len(joined) == len(IN_ORDER), joined
+    for phase in IN_ORDER:
+        assert sum(f"'{phase.name}'" in cond for cond in joined) == 1, joined
+
+
 # the closed rooms' roster rows, as close_roster picks them, and as a bare IN would
 HASHED_MEMBERSHIP = "(r.conference_id IN (SELECT x.id FROM closed x)) IS TRUE"
 JOINED_MEMBERSHIP = "r.conference_id IN (SELECT x.id FROM closed x)"

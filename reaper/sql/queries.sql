@@ -291,12 +291,6 @@ s.{since} <= greatest(CAST(:{phase}_cutoff AS timestamptz),
 AND
     -- include: phase_counted_own
 
--- fragment: phase_counted_earlier
--- Not a room an earlier phase selects (precedence follows the phases' order).
-AND (
-    -- include: phase_counted_own
-) IS NOT TRUE
-
 -- name: guard_eligible
 -- for each phase
 -- The mass-closure guard's first input (a guarded phase): the conferences the
@@ -377,7 +371,9 @@ AND s.{since} <=
     -- include: phase_cutoff
 
 -- fragment: phase_rooms_earlier
--- Not a room an earlier phase selects (reaper plan: precedence follows ORDER).
+-- Not a room an earlier phase selects (the census and reaper plan: precedence
+-- follows ORDER). The earlier phase's window is probed only for the rooms its
+-- predicate selects.
 AND (
     -- include: {phase}_selects
     AND s.{since} <=
@@ -980,8 +976,16 @@ SELECT messenger.delete_published_outbox(make_interval(secs => :retention_s), :b
 --     then estimates a third of the partial index and stays on it. Given as a
 --     constant that covers most live rooms (a 1 h stale-live policy), the
 --     planner picks a sequential scan of the whole table instead;
---   the windows are joined (one hash of the small table) rather than probed
---     per row: a probe per row is ten times slower on a large backlog.
+--   the phase's own windows are joined (one hash of the small table) rather
+--     than probed per row: a probe per row is ten times slower on a large
+--     backlog;
+--   an earlier phase's rooms are left out as reaper plan leaves them out
+--     (phase_rooms_earlier): its predicate first, and its window probed only
+--     for a room that predicate selects, which two phases of different
+--     statuses never share. Joined for every earlier phase, each count planned
+--     one more join per earlier phase (hash joins of the whole windows table
+--     where the planner expects many rooms), whether the phases can share a
+--     room or not.
 -- since: when the oldest one became eligible (the column its lateness counts
 -- from, plus its own window).
 -- include each phase joined by UNION ALL: phase_census
@@ -992,10 +996,9 @@ SELECT messenger.delete_published_outbox(make_interval(secs => :retention_s), :b
             CAST(:as_of AS timestamptz) - CAST(:{phase}_cutoff AS timestamptz))) AS since
  FROM messenger.conference_sessions s
  -- include: phase_window_join
- -- include each earlier phase: phase_window_join
  WHERE
      -- include: phase_counted
-     -- include each earlier phase: phase_counted_earlier
+     -- include each earlier phase: phase_rooms_earlier
 )
 
 -- name: plan_candidates
