@@ -159,10 +159,13 @@ class Proxy:
 
     def _pump(self, link: Link, source: socket.socket, sink: socket.socket) -> None:
         """Copy one direction until its end closes, the link fails, or the proxy closes."""
+        # poll, not select: select refuses a descriptor above 1024, which a long
+        # campaign's process reaches (seen: after ten minutes every new link died)
+        poller = select.poll()
+        poller.register(source, select.POLLIN)
         try:
             while not self._stop.is_set() and not link.closed.is_set():
-                readable, _, _ = select.select([source], [], [], POLL)
-                if not readable:
+                if not poller.poll(POLL * 1000):
                     continue
                 data = source.recv(65536)
                 if not data:
@@ -175,10 +178,13 @@ class Proxy:
         for sock in (source, sink):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+            # closed, not only shut down: a link's descriptors must not outlive it
+            sock.close()
 
     def open_links(self) -> list[Link]:
         with self._lock:
-            return [link for link in self._links if not link.closed.is_set()]
+            self._links = [link for link in self._links if not link.closed.is_set()]
+            return list(self._links)
 
     # -- the fault -----------------------------------------------------------------
 
