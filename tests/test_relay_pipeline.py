@@ -136,15 +136,19 @@ def test_a_claim_reads_its_rows_by_name_as_outbox_rows(engine, topic):
 def test_a_claim_whose_columns_are_not_the_rows_fields_is_refused(engine, topic, monkeypatch):
     """The rows are read by position: a statement whose columns moved fails the
     claim instead of sending a payload as a key."""
-    statements = dict(queries_module.load())
-    claim = statements["claim_outbox_batch"].text
+    written = queries_module.statement
+    claim = written("claim_outbox_batch", None, ()).text
     swapped = claim.replace(
         "SELECT c.id, c.event_id::text AS event_id, c.topic, c.message_key,",
         "SELECT c.id, c.event_id::text AS event_id, c.message_key, c.topic,",
     )
     assert swapped != claim
-    statements["claim_outbox_batch"] = text(swapped)
-    monkeypatch.setattr(queries_module, "load", lambda: statements)
+
+    def with_columns_swapped(name: str, phase: Any, order: Any) -> Any:
+        return text(swapped) if name == "claim_outbox_batch" else written(name, phase, order)
+
+    # every named query is run through queries.statement
+    monkeypatch.setattr(queries_module, "statement", with_columns_swapped)
     with engine.begin() as conn:
         add_outbox_row(conn, topic=topic, key="deal-a")
     with engine.begin() as conn, pytest.raises(RuntimeError, match="message_key"):

@@ -24,7 +24,7 @@ from reaper.events import CountKey, CycleCompleted, PhaseFailed
 from tests.support import factory as f
 from tests.support.facts import FactRecorder
 from tests.support.figures import figure
-from tests.support.processes import ROOT, run_cli
+from tests.support.processes import ROOT, run_cli, wait_until
 
 COUNTS: tuple[CountKey, ...] = (
     "empty_timeout_count",
@@ -82,16 +82,29 @@ def test_a_cycle_between_its_phases_still_owns_the_run(settings, engine, facts: 
     assert reap_once()["skipped"] is False
 
 
+def sleeping(engine: Engine) -> bool:
+    """A session of the database sleeps in the test's trigger."""
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT EXISTS (SELECT FROM pg_stat_activity"
+                    " WHERE wait_event = 'PgSleep' AND datname = current_database())"
+                )
+            ).scalar()
+        )
+
+
 @pytest.mark.process
 def test_a_slowed_phase_skips_every_other_cycle_whole(settings, engine):
-    """A trigger makes the empty_room batch sleep 3 s: CLI runs meanwhile are skipped."""
+    """A trigger makes the empty_room batch sleep: CLI runs meanwhile are skipped."""
     rooms = seed(engine)
     with engine.begin() as conn:
         conn.execute(
             text(
                 """
                 CREATE FUNCTION messenger.test_slow() RETURNS trigger LANGUAGE plpgsql AS $$
-                BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$;
+                BEGIN PERFORM pg_sleep(10); RETURN NEW; END $$;
                 CREATE TRIGGER test_slow BEFORE UPDATE ON messenger.conference_sessions
                 FOR EACH ROW WHEN (NEW.end_reason = 'EmptyTimeout')
                 EXECUTE FUNCTION messenger.test_slow();
@@ -106,8 +119,11 @@ def test_a_slowed_phase_skips_every_other_cycle_whole(settings, engine):
         text=True,
     )
     try:
-        time.sleep(1.0)  # the owner is inside its slowed first phase
+        # the owner is inside its slowed first phase (seen, not slept for: a CLI
+        # starts in a second on a quiet machine, in several on a busy one)
+        wait_until(lambda: sleeping(engine), 30, "the owner's batch in the slowed trigger")
         others = [reap_once() for _ in range(2)]
+        assert sleeping(engine), "the owner's phase ended before the other runs did"
         out, err = owner.communicate(timeout=60)
     finally:
         with engine.begin() as conn:
