@@ -298,6 +298,16 @@ def _undrop_kafka_answers(world: World, fault: Injected) -> None:
     world.proxies["kafka"].heal()
 
 
+def pending_relay(world: World) -> tuple[int, int] | None:
+    """The relay lock's holder, while conference-ended events wait in the outbox."""
+    assert world.engine is not None
+    with world.engine.connect() as conn:
+        pending = conn.execute(
+            text("SELECT EXISTS (SELECT FROM messenger.integration_outbox)")
+        ).scalar()
+    return lock_holder(world, RELAY_LOCK) if pending else None
+
+
 def _kill_relay(world: World, target: str) -> Injected:
     """A relay pass dies after the broker wrote its records and before their
     acknowledgements reached it (a node lost mid-pass): the broker's answers
@@ -306,8 +316,18 @@ def _kill_relay(world: World, target: str) -> Injected:
     next pass sends them again: the duplicate publish that consumers, idempotent
     per conference, must absorb (the relay's own producer cannot deduplicate a
     process it did not survive)."""
-    backend, pid = wait_for(lambda: lock_holder(world, RELAY_LOCK), "relay pass")
     n = world.proxies["kafka"].drop_answers()
+    # a pass with rows to send: killed idle, it would leave nothing to send again
+    try:
+        backend, pid = wait_for(lambda: pending_relay(world), "relay pass with rows to send")
+        aimed = "with rows to send"
+    except Missed:
+        try:
+            backend, pid = wait_for(lambda: lock_holder(world, RELAY_LOCK), "relay pass")
+        except Missed:  # no pass at all: the answers pass again, the fault missed
+            world.proxies["kafka"].heal()
+            raise
+        aimed = "with no rows to send"
     time.sleep(RELAY_SENDS_S)
     _signal(pid, signal.SIGKILL)
     # a pass runs in a pool child, which the pool replaces; were it a worker
@@ -316,8 +336,8 @@ def _kill_relay(world: World, target: str) -> Injected:
     return Injected(
         "kill_relay",
         parent[0] if parent else "",
-        f"SIGKILL relay pass {pid} (backend {backend}) {RELAY_SENDS_S:g}s after the "
-        f"broker's answers were dropped on {n} connections",
+        f"SIGKILL relay pass {pid} (backend {backend}) {aimed}, {RELAY_SENDS_S:g}s after "
+        f"the broker's answers were dropped on {n} connections",
     )
 
 
