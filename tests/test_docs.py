@@ -20,6 +20,7 @@ import pytest
 
 from reaper.config import ENV_PREFIX, Settings
 from reaper.events import LOGGED
+from tests.support.docs import table as docs_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DESIGN = ROOT / "docs" / "design.md"
@@ -29,20 +30,8 @@ LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def table(heading: str) -> list[list[str]]:
-    """The rows (header and rule left out) of the first table under ``## heading``."""
-    lines = DESIGN.read_text().splitlines()
-    start = lines.index(f"## {heading}")
-    rows: list[list[str]] = []
-    for line in lines[start + 1 :]:
-        if line.startswith("#"):
-            break
-        if line.startswith("|"):
-            # a cell may hold an escaped pipe (\|)
-            rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip()[1:-1])])
-        elif rows:
-            break
-    assert len(rows) > 2, f"no table under '## {heading}' in {DESIGN}"
-    return rows[2:]
+    """The rows (header and rule left out) of the first table under ``heading``."""
+    return docs_table(DESIGN, heading)
 
 
 def difference(what: str, documented: set[str], actual: set[str]) -> str:
