@@ -502,8 +502,6 @@ class PhaseBatches:
         """The database refused a batch: the same batch in halves, each its own
         transaction, until the row it refuses is alone. That row is poison (left
         out for the cycle, counted, logged); every other row commits."""
-        if not ids:
-            return BatchEffect()
         if len(ids) == 1:
             if not self.run.exclude(ids):  # another lane isolated it first
                 return BatchEffect()
