@@ -461,7 +461,11 @@ def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
         verdict = Ledger(settings, engine).check(since, until)
     except KafkaUnreadable as exc:
         print(f"reaper: Kafka could not be read, no verdict on delivery: {exc}", file=sys.stderr)
-        return EXIT_KAFKA
+        return EXIT_KAFKA  # the metrics file keeps the last verdict; its window end ages
+    if args.metrics_file:
+        from reaper import metrics
+
+        metrics.write_reconcile(args.metrics_file, verdict)
     logger = logs.get_logger("reconcile")
     for found in verdict.lost:
         logs.log(
@@ -708,6 +712,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(an operator login only)",
     )
     reconcile.add_argument("--reason", help="why, kept with each event put back (--republish)")
+    reconcile.add_argument(
+        "--metrics-file",
+        metavar="PATH",
+        help="also write the verdict as Prometheus metrics to PATH, e.g. a *.prom file "
+        "in node_exporter's textfile directory (docs/delivery.md#metrics)",
+    )
     reconcile.set_defaults(handler=cmd_reconcile)
 
     sql = sub.add_parser(

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, write_to_textfile
 
 from reaper.events import (
     BatchSelected,
@@ -34,6 +34,7 @@ from reaper.events import (
     StopSignalsSent,
 )
 from reaper.kafka import UnavailableCause
+from reaper.ledger import CATEGORIES, Verdict
 from reaper.phases import ORDER, PHASES
 
 RUN_RESULTS = ("completed", "skipped", "failed")
@@ -68,6 +69,15 @@ EXPORTED = (
     "messenger_conf_reaper_last_cycle_timestamp_seconds",
     "messenger_outbox_last_relay_timestamp_seconds",
     "messenger_conf_reaper_last_run_completed_timestamp_seconds",
+)
+
+# What `reaper reconcile --metrics-file` writes (docs/delivery.md#metrics): not
+# this registry's, as the command is a run of its own, not the worker.
+RECONCILE_EXPORTED = (
+    "messenger_conf_reaper_reconcile_findings",
+    "messenger_conf_reaper_reconcile_lost",
+    "messenger_conf_reaper_reconcile_closings",
+    "messenger_conf_reaper_reconcile_until_timestamp_seconds",
 )
 
 # A cycle's target is < 5 s, its budget REAPER_MAX_RUN_DURATION (30 s).
@@ -389,3 +399,46 @@ def registry() -> CollectorRegistry:
 def sample(name: str, labels: dict[str, str] | None = None) -> float:
     """One sample of this process's registry (0 when absent)."""
     return _m().registry.get_sample_value(name, labels or {}) or 0.0
+
+
+# -- reaper reconcile ----------------------------------------------------------
+
+
+def write_reconcile(path: str, verdict: Verdict) -> None:
+    """The verdict of one `reaper reconcile` as a Prometheus text file, for a
+    collector that reads such files (node_exporter's textfile directory): the
+    command exits, so nothing could scrape it. Every category and every
+    phase's end reason is written, zeros included, so an alert on a lost event
+    reads a series that exists. The file is replaced whole (written beside it,
+    then renamed): a scrape never reads half of it."""
+    r = CollectorRegistry()
+    findings = Gauge(
+        "messenger_conf_reaper_reconcile_findings",
+        "What the last reaper reconcile found, by category (lost, unexpected, ...).",
+        ["category"],
+        registry=r,
+    )
+    for category in CATEGORIES:
+        findings.labels(category).set(len(getattr(verdict, category)))
+    lost = Gauge(
+        "messenger_conf_reaper_reconcile_lost",
+        "Rooms closed whose conference-ended event is neither in the outbox nor on "
+        "Kafka, by end reason, in the last reaper reconcile's window.",
+        ["end_reason"],
+        registry=r,
+    )
+    reasons = {phase.end_reason for phase in PHASES.values()} | set(verdict.by_end_reason)
+    for reason in sorted(reasons):
+        lost.labels(reason).set(verdict.by_end_reason.get(reason, {}).get("lost", 0))
+    Gauge(
+        "messenger_conf_reaper_reconcile_closings",
+        "Rooms closed in the last reaper reconcile's window.",
+        registry=r,
+    ).set(verdict.closings)
+    Gauge(
+        "messenger_conf_reaper_reconcile_until_timestamp_seconds",
+        "The end of the last reaper reconcile's window (the database's clock): "
+        "closings before it have been checked.",
+        registry=r,
+    ).set(verdict.until.timestamp())
+    write_to_textfile(path, r)

@@ -7,16 +7,20 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from reaper import metrics
 from reaper.cli import build_parser
 from reaper.config import ENV_PREFIX, Settings, load_settings
 from reaper.health import CLOSING_INTERVALS
+from reaper.ledger import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMETHEUS = ROOT / "ops" / "prometheus"
@@ -39,8 +43,20 @@ def metric_names(expr: str) -> set[str]:
 
 
 def exported_series() -> set[str]:
-    """Every series name the service exposes (histograms: _bucket, _sum, _count)."""
-    return {s.name for family in metrics.registry().collect() for s in family.samples}
+    """Every series name the service exposes (histograms: _bucket, _sum, _count):
+    the worker's, and what `reaper reconcile --metrics-file` writes."""
+    served = {s.name for family in metrics.registry().collect() for s in family.samples}
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "reconcile.prom"
+        now = datetime.now(UTC)
+        metrics.write_reconcile(str(path), Verdict(since=now - timedelta(hours=1), until=now))
+        written = {
+            s.name
+            for family in text_string_to_metric_families(path.read_text())
+            for s in family.samples
+        }
+    assert written == set(metrics.RECONCILE_EXPORTED)
+    return served | written
 
 
 def test_metric_name_extraction():

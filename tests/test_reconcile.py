@@ -7,14 +7,18 @@ import json
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text
 
+from reaper import metrics
 from reaper.config import Settings
 from reaper.cycle import Reaper
-from reaper.ledger import Ledger
+from reaper.ledger import CATEGORIES, Ledger
+from reaper.phases import PHASES
 from tests.support import factory as f
 from tests.support.kafka import create_topic
 from tests.support.ports import free_port
@@ -182,7 +186,7 @@ def test_a_timestamp_window_and_the_ledger_read_by_timestamps(
     assert done.returncode == 0 and "closed 2, on Kafka 2" in done.stdout, done.stdout
 
 
-def test_usage_and_an_unreadable_broker(engine, env):
+def test_usage_and_an_unreadable_broker_that_leaves_the_metrics_file(engine, env, tmp_path):
     for args, said in (
         (["--since", "yesterday"], "--since: 'yesterday' is neither a moment"),
         (["--since", "0h"], "--since: '0h' is no time ago"),
@@ -192,9 +196,62 @@ def test_usage_and_an_unreadable_broker(engine, env):
         done = reconcile(env, *args)
         assert done.returncode == 2, (args, done.stderr)
         assert said in plain_lines(done.stderr)[0], (args, done.stderr)
+    # no verdict: a --metrics-file keeps the last one, whose window end then ages
+    prom = tmp_path / "reaper_reconcile.prom"
+    prom.write_text("# the last verdict\n")
     gone = reconcile(
-        {**env, "REAPER_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}"}, "--since", "1h"
+        {**env, "REAPER_KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}"},
+        "--since",
+        "1h",
+        "--metrics-file",
+        str(prom),
     )
     assert gone.returncode == 5, gone.stderr
+    assert prom.read_text() == "# the last verdict\n"
     [line] = plain_lines(gone.stderr)
     assert line.startswith("reaper: Kafka could not be read, no verdict on delivery"), line
+
+
+def reconcile_metrics(path: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of a --metrics-file, by name and labels."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(path.read_text())
+        for s in family.samples
+    }
+
+
+def test_the_metrics_file_counts_lost_events_per_end_reason(
+    settings, engine, env, kafka_broker, topic, tmp_path
+):
+    settings = settings.model_copy(
+        update={"kafka_bootstrap_servers": kafka_broker, "conference_ended_topic": topic}
+    )
+    close_rooms(settings, engine, 2)
+    relay(env)
+    prom = tmp_path / "reaper_reconcile.prom"
+    clean = reconcile(env, "--since", "2h", "--metrics-file", str(prom))
+    assert clean.returncode == 0, clean.stderr
+    written = reconcile_metrics(prom)
+    assert {name for name, _ in written} == set(metrics.RECONCILE_EXPORTED)
+    # every phase's end reason and every category is there at zero: an alert reads a series
+    for phase in PHASES.values():
+        assert (
+            written[("messenger_conf_reaper_reconcile_lost", (("end_reason", phase.end_reason),))]
+            == 0
+        )
+    for category in CATEGORIES:
+        assert written[("messenger_conf_reaper_reconcile_findings", (("category", category),))] == 0
+    assert written[("messenger_conf_reaper_reconcile_closings", ())] == 2
+    until = written[("messenger_conf_reaper_reconcile_until_timestamp_seconds", ())]
+    assert abs(until - f.db_now(engine).timestamp()) < 60
+
+    # the plant: a room closed whose event left the outbox without reaching Kafka
+    close_rooms(settings, engine, 1)
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM messenger.integration_outbox"))
+    assert reconcile(env, "--since", "2h", "--metrics-file", str(prom)).returncode == 4
+    lost = reconcile_metrics(prom)
+    assert lost[("messenger_conf_reaper_reconcile_lost", (("end_reason", "EmptyTimeout"),))] == 1
+    assert lost[("messenger_conf_reaper_reconcile_findings", (("category", "lost"),))] == 1
+    assert lost[("messenger_conf_reaper_reconcile_closings", ())] == 3
