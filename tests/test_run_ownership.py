@@ -188,7 +188,10 @@ def test_a_chain_link_runs_the_phase_of_its_cycle(settings, engine, monkeypatch,
 def test_a_dead_owner_is_taken_over_within_its_lease(settings, engine):
     """The owner took the run, ran a phase, and was killed between phases."""
     rooms = seed(engine)
-    lease = 3.0
+    # Long enough that the first `reaper reap --once` after the kill starts and
+    # reads the run inside it: a CLI takes about a second to start, several on
+    # a busy machine (3 s was once too short there).
+    lease = 8.0
     env = {"REAPER_RUN_LEASE": str(lease), "REAPER_MAX_RUN_DURATION": "2"}
     script = textwrap.dedent(
         f"""
@@ -221,6 +224,7 @@ def test_a_dead_owner_is_taken_over_within_its_lease(settings, engine):
         owner.wait()
         died = time.monotonic()
         assert_skipped_whole(reap_once(**env))  # the lease is still running
+        assert time.monotonic() - died < lease, "the check above came after the lease"
         while True:
             result = reap_once(**env)
             if not result["skipped"]:
