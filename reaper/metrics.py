@@ -429,7 +429,8 @@ def write_reconcile(path: str, verdict: Verdict) -> None:
     )
     reasons = {phase.end_reason for phase in PHASES.values()} | set(verdict.by_end_reason)
     for reason in sorted(reasons):
-        lost.labels(reason).set(verdict.by_end_reason.get(reason, {}).get("lost", 0))
+        counts = verdict.by_end_reason.get(reason)
+        lost.labels(reason).set(counts["lost"] if counts is not None else 0)
     Gauge(
         "messenger_conf_reaper_reconcile_closings",
         "Rooms closed in the last reaper reconcile's window.",
