@@ -17,6 +17,8 @@ from sqlalchemy import create_engine, text
 from bench import charts
 from tests.conftest import PG_URL, ROOT, SESSION_TAG
 
+pytestmark = pytest.mark.long  # minutes: started first (tests/support/runner.py)
+
 FIGURES = (
     "quiet cycle",
     "`reaper reap --once`",

@@ -15,7 +15,7 @@ from tests.campaign.plan import Plan, draw
 from tests.campaign.runner import PLANTS, run
 from tests.support.figures import figure
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.long]
 
 REGRESSIONS = sorted((Path(__file__).parent / "campaign" / "regressions").glob("*.json"))
 # The seed CI runs, for what its 3.5 minutes hold (11 faults, 3 at once): a

@@ -33,7 +33,7 @@ from tests.support.figures import figure
 from tests.support.ports import free_port
 from tests.support.processes import CELERY, ROOT, Worker, children, wait_until
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.long]
 
 KEYS = {"status", "last_cycle_age_seconds", "last_relay_age_seconds", "database", "schema"}
 # the schema as /healthz shows it: the database's revision and the release's range

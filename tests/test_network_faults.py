@@ -40,6 +40,8 @@ from tests.support.netfault import Proxy, SilentServer
 from tests.support.ports import free_port
 from tests.support.processes import Worker, run_cli, wait_until
 
+pytestmark = pytest.mark.long  # minutes: started first (tests/support/runner.py)
+
 CONNECT_TIMEOUT = 2.0
 
 

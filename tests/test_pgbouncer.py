@@ -29,6 +29,8 @@ from tests.support.ledger import assert_clean, books, tally
 from tests.support.pgbouncer import PgBouncer
 from tests.support.processes import Worker, run_cli, wait_until
 
+pytestmark = pytest.mark.long  # minutes: started first (tests/support/runner.py)
+
 # Every setting the reaper's transaction budgets set (queries.sql, ``bound``).
 BUDGET_SETTINGS = (
     "statement_timeout",

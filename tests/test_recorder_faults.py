@@ -43,6 +43,8 @@ from tests.support.kafka import create_topic
 from tests.support.ports import free_port
 from tests.support.processes import Worker, run_cli
 
+pytestmark = pytest.mark.long  # minutes: started first (tests/support/runner.py)
+
 FAILED_METRIC = "messenger_conf_reaper_recorder_stop_failed_total"
 # Beyond a call's overall deadline (one recorder timeout), a stop pass claims and
 # marks (milliseconds); the rest is a thread woken late on a CPU shared with the

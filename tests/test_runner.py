@@ -135,3 +135,48 @@ def test_a_thread_that_fails_fails_its_test(tmp_path):
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "1 failed" in done.stdout and "a thread's assert" in done.stdout, done.stdout
+
+
+def started_order(tmp_path: Path, *dist: str) -> list[str]:
+    """The order in which one process started the tests of three files: test_a
+    (three tests), test_b (two) and test_z, marked ``long`` (one)."""
+    out = tmp_path / "-".join(dist or ("plain",))
+    out.mkdir()
+    suite = out / "suite"
+    suite.mkdir()
+    header = TIMED.format(out=str(out))
+    for name, tests, mark in (
+        ("a", 3, ""),
+        ("b", 2, ""),
+        ("z", 1, "pytestmark = pytest.mark.long"),
+    ):
+        body = "".join(f"\ndef test_{name}{i}():\n    ran('{name}{i}', 0)\n" for i in range(tests))
+        (suite / f"test_{name}.py").write_text(f"{header}\n{mark}\n{body}")
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")),
+            *("--rootdir", str(out), "-p", "tests.support.runner", "-p", "no:cacheprovider"),
+            *("-n", "1", *dist, "-q", str(suite)),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    spans = {p.name: float(p.read_text().split()[0]) for p in out.iterdir() if p.is_file()}
+    return sorted(spans, key=spans.__getitem__)
+
+
+@pytest.mark.process
+def test_a_long_file_starts_first(tmp_path):
+    """As scripts/test runs the suite, the file marked ``long`` starts before the
+    others; with pytest-xdist's own order (most tests first) it would start last,
+    alone at the end while the other process sits idle."""
+    exec_line = (ROOT / "scripts" / "test").read_text().split("exec ", 1)[1]
+    assert "--dist loadfile --no-loadscope-reorder" in exec_line
+    ours = started_order(tmp_path, "--dist", "loadfile", "--no-loadscope-reorder")
+    assert ours == ["z0", "a0", "a1", "a2", "b0", "b1"], ours
+    xdists = started_order(tmp_path, "--dist", "loadfile")
+    assert xdists[-1] == "z0", xdists

@@ -32,6 +32,8 @@ from tests.support.processes import ROOT, Worker, wait_until
 from tests.support.results import CYCLE_RESULT_KEYS
 from tests.support.services import scrape
 
+pytestmark = pytest.mark.long  # minutes: started first (tests/support/runner.py)
+
 RUN_LOCK_KEY = "hashtextextended('messenger.conference-room-reaper', 0)"
 
 BIN = Path(sys.executable).parent

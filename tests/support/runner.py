@@ -10,6 +10,11 @@ takes shared, through a turnstile, so that the other process's next tests do
 not starve a waiting ``alone`` test. It is for what a test beside it would
 change: a bound on the wall clock that a second test's load would stretch past
 what the bound says of the service.
+
+The processes take a file at a time, in the order of the collection, which
+puts the files marked ``long`` (minutes each) first: a long file that came
+last would run alone while the other process sat idle (pytest-xdist's own
+order, most tests first, put the campaign's two tests at the very end).
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ from pathlib import Path
 import pytest
 
 from tests.support import figures
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # a stable sort: the long files first, each file's tests in their order
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 @pytest.hookimpl(hookwrapper=True)
