@@ -254,15 +254,13 @@ def test_a_url_naming_another_driver_says_which_in_one_line(monkeypatch):
 
 
 # A representative subset through the real entry points.
+# Every bad value is refused in process above (the same load_settings every
+# entry point calls); each real entry point is run with one of each kind: a
+# URL holding a secret, a value of the wrong form, one refused beside another.
 PROCESS_CASES = [
     ({"DATABASE_URL": f"postgresql+psycopg://reaper:{SECRET}@db.example/reaper"}, "DATABASE_URL"),
-    ({"BATCH_SIZE": "0"}, "BATCH_SIZE"),
     ({"POLLING_INTERVAL": "10:00"}, "POLLING_INTERVAL"),
-    ({"BROKER_URL": "amqp://127.0.0.1//"}, "BROKER_URL"),
-    ({"MASS_CLOSURE_SHARE": "1.5"}, "MASS_CLOSURE_SHARE"),
-    ({"LOCK_TTL": "30"}, "LOCK_TTL"),
     ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, "KAFKA_SECURITY_PROTOCOL"),
-    ({"RECORDER_URL": "ftp://recorder"}, "RECORDER_URL"),
 ]
 COMMANDS = {
     "reaper reap --once": [str(BIN / "reaper"), "reap", "--once"],
