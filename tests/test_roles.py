@@ -8,6 +8,7 @@ both is run as a real login."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -23,6 +24,7 @@ from reaper.db import transaction
 from reaper.errors import sqlstate
 from reaper.queries import Queries
 from tests.support import factory as f
+from tests.support.docs import ROOT, names, table
 from tests.support.processes import run_cli
 from tests.support.roles import function_grants, login
 
@@ -478,3 +480,40 @@ def test_every_worker_command_runs_or_is_refused_as_a_worker_login(database_url,
     assert tenant_policies(engine) == [TENANT]
     assert parked_at(engine, parked) is None
     assert parked_at(engine, seeded["never"]) is not None and discarded(engine) == []
+
+
+def documented(cell: str) -> set[str]:
+    """The table privileges a cell of docs/design.md's roles table names: an
+    UPDATE of named columns is an UPDATE, ``no DELETE`` names none."""
+    cell = re.sub(r"\bno (SELECT|INSERT|UPDATE|DELETE)\b", "", cell)
+    return set(re.findall(r"\b(SELECT|INSERT|UPDATE|DELETE)\b", cell))
+
+
+def test_the_roles_table_of_the_design_is_the_grants(engine):
+    """Each table's row of docs/design.md#roles says what each role may do to
+    it, as the database grants it; every table either role can read is there."""
+    rows = {
+        name: cells
+        for cells in table(ROOT / "docs" / "design.md", "Roles")
+        for name in names(cells[0])
+        if cells[0] not in ("runs", "functions")
+    }
+    assert set(rows) == {*TABLES, "public.alembic_version"}, sorted(rows)
+    wrong = {}
+    with engine.connect() as conn:
+        for name, cells in rows.items():
+            qualified = name if "." in name else f"messenger.{name}"
+            for role, cell in ((WORKER, cells[1]), (OPERATOR, cells[2])):
+                granted = {
+                    p
+                    for p in ("SELECT", "INSERT", "UPDATE", "DELETE")
+                    if conn.execute(
+                        text("SELECT has_table_privilege(:r, :t, :p)"),
+                        {"r": role, "t": qualified, "p": p},
+                    ).scalar()
+                }
+                if "." not in name and update_columns(conn, role, name):
+                    granted.add("UPDATE")  # of some columns only
+                if documented(cell) != granted:
+                    wrong[f"{role} on {name}"] = (sorted(documented(cell)), sorted(granted))
+    assert not wrong, f"(documented, granted): {wrong}"
