@@ -31,6 +31,7 @@ from reaper.clock import parse_time, rfc3339
 from reaper.config import Settings
 from reaper.db import transaction
 from reaper.kafka import producer_config
+from reaper.phases import IN_ORDER
 
 # The push row each kind of closing writes (reaper/sql/queries.sql).
 PUSH_KIND = {"Ended": "ConferenceEnded", "Failed": "ConferenceSignal"}
@@ -546,14 +547,17 @@ class Ledger:
         with transaction(self.engine, budget) as queries:
             closings = [
                 Closing(r.conference_id, r.deal_id, r.status, r.end_reason, r.ended_at)
-                for r in queries.ledger_closings(since, until)
+                # this release's phases: a newer release's phase is its own ledger's
+                for r in queries.ledger_closings(IN_ORDER, since, until)
                 if r.conference_id not in self.exclude
             ]
             pending = [
                 Pending(r.event_id, r.message_key, r.payload, r.parked)
                 for r in queries.ledger_pending()
             ]
-            pushes = [Push(r.conference_id, r.kind) for r in queries.ledger_pushes(since, until)]
+            pushes = [
+                Push(r.conference_id, r.kind) for r in queries.ledger_pushes(IN_ORDER, since, until)
+            ]
             discarded = set(queries.ledger_discarded(since, until))
             republished = set(queries.ledger_republished(since, until))
         records = (

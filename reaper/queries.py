@@ -811,14 +811,20 @@ class Queries:
 
     # -- the ledger (reaper/ledger.py, docs/delivery.md) --------------------------
 
-    def ledger_closings(self, since: datetime, until: datetime) -> list[ResultRow]:
-        return list(_run(self.conn, "ledger_closings", since=since, until=until))
+    def ledger_closings(
+        self, phases: Sequence[PhaseSql], since: datetime, until: datetime
+    ) -> list[ResultRow]:
+        """The rooms the ``phases`` closed in [since, until)."""
+        return list(_run_phases(self.conn, "ledger_closings", phases, since=since, until=until))
 
     def ledger_pending(self) -> list[ResultRow]:
         return list(_run(self.conn, "ledger_pending"))
 
-    def ledger_pushes(self, since: datetime, until: datetime) -> list[ResultRow]:
-        return list(_run(self.conn, "ledger_pushes", since=since, until=until))
+    def ledger_pushes(
+        self, phases: Sequence[PhaseSql], since: datetime, until: datetime
+    ) -> list[ResultRow]:
+        """The push rows of the rooms the ``phases`` closed in [since, until)."""
+        return list(_run_phases(self.conn, "ledger_pushes", phases, since=since, until=until))
 
     def ledger_discarded(self, since: datetime, until: datetime) -> list[str]:
         return list(_run(self.conn, "ledger_discarded", since=since, until=until).scalars())

@@ -8,11 +8,13 @@ from the phases, the index not matching it)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
+import pytest
 from sqlalchemy import Engine, text
 
-from reaper.phases import IN_ORDER
-from reaper.queries import load
+from reaper.phases import EMPTY_ROOM, IN_ORDER
+from reaper.queries import statement
 
 
 def quoted(definition: str) -> set[str]:
@@ -44,9 +46,15 @@ def test_the_checks_and_the_recorders_index_admit_every_phases_end_reason_and_st
     assert statuses <= quoted(found["ck_conf_status"]), found["ck_conf_status"]
 
 
-def test_the_recorders_claim_lists_exactly_the_phases_end_reasons():
+@pytest.mark.parametrize("name", ["claim_stops_due", "ledger_closings", "ledger_pushes"])
+def test_the_statements_of_the_reapers_rooms_list_exactly_the_phases_end_reasons(name):
     """Composed from the phases (sql/queries.sql ``phase_end_reason``): the rooms
-    of every phase, and no others (a room ended by a person is not the reaper's)."""
-    claim = load(IN_ORDER)["claim_stops_due"].text
-    [listed] = re.findall(r"s\.end_reason IN \(([^)]*)\)", claim)
-    assert quoted(listed) == {phase.end_reason for phase in IN_ORDER}
+    of every phase, and no others (a room ended by a person is not the reaper's):
+    the recorder's claim, and the ledger's closings and their push rows. Written
+    for this release's phases and a stand-in phase with an end reason of its own,
+    which a list written by hand would miss."""
+    stand_in = replace(EMPTY_ROOM, name="test_only_phase", end_reason="TestOnlyEnd")
+    for order in (IN_ORDER, (*IN_ORDER, stand_in)):
+        written = statement(name, None, order).text
+        [listed] = re.findall(r"s\.end_reason IN \(([^)]*)\)", written)
+        assert quoted(listed) == {phase.end_reason for phase in order}, written

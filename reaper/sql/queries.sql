@@ -1183,7 +1183,9 @@ WHERE c.oid = to_regclass('public.alembic_version');
 SELECT s.id::text AS conference_id, s.deal_id::text AS deal_id, s.status, s.end_reason,
        s.ended_at
 FROM messenger.conference_sessions s
-WHERE s.end_reason IN ('EmptyTimeout', 'Timeout', 'Error')
+WHERE s.end_reason IN (
+      -- include each phase joined by ,: phase_end_reason
+      )
   AND s.ended_at >= :since AND s.ended_at < :until;
 
 -- name: ledger_pending
@@ -1199,7 +1201,9 @@ WHERE o.published_at IS NULL;
 SELECT r.conference_id::text AS conference_id, r.kind
 FROM messenger.conference_sessions s
 JOIN messenger.realtime_outbox r ON r.conference_id = s.id
-WHERE s.end_reason IN ('EmptyTimeout', 'Timeout', 'Error')
+WHERE s.end_reason IN (
+      -- include each phase joined by ,: phase_end_reason
+      )
   AND s.ended_at >= :since AND s.ended_at < :until;
 
 -- name: ledger_discarded
