@@ -55,6 +55,14 @@ RECOVERY_BOUNDS: dict[str, float] = {
 # The kinds drawn by default: every kind with a bound above.
 KINDS: tuple[str, ...] = tuple(RECOVERY_BOUNDS)
 
+# Kinds that start last in their episode. The campaign finds its targets (the
+# lock holder, a pool child, a run under way) and holds its rows and snapshots
+# through PostgreSQL: a fault injected while the server is down fails to go in
+# (seen in the first hour: rows_held, kill_child and terminate_lock_session
+# after restart_postgres in their episode, each verdict then unknown). Last,
+# the server goes down with every other fault of the episode already in force.
+LAST_IN_EPISODE = frozenset({"restart_postgres"})
+
 # Kinds aimed at one of the two workers (the plan names which).
 WORKER_KINDS = frozenset({"kill_parent", "kill_child", "kill_beat", "roll_worker"})
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tests.campaign.bounds import KINDS, RECOVERY_BOUNDS, WORKER_KINDS
+from tests.campaign.bounds import KINDS, LAST_IN_EPISODE, RECOVERY_BOUNDS, WORKER_KINDS
 
 PLAN_VERSION = 1
 # Before the first fault: the workers start, the first rooms are written and
@@ -195,6 +195,7 @@ def draw(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS, *, plant: st
                 deck.insert(0, kind)  # later, not in this episode
                 continue
             chosen.append(kind)
+        chosen.sort(key=lambda kind: kind in LAST_IN_EPISODE)  # stable: the rest keep their order
         members: list[Fault] = []
         first_length = round(rng.uniform(*LENGTH_S), 1)
         # the others start while the first is in force (so they overlap it)
