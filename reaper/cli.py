@@ -462,10 +462,6 @@ def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
     except KafkaUnreadable as exc:
         print(f"reaper: Kafka could not be read, no verdict on delivery: {exc}", file=sys.stderr)
         return EXIT_KAFKA  # the metrics file keeps the last verdict; its window end ages
-    if args.metrics_file:
-        from reaper import metrics
-
-        metrics.write_reconcile(args.metrics_file, verdict)
     logger = logs.get_logger("reconcile")
     for found in verdict.lost:
         logs.log(
@@ -540,6 +536,15 @@ def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
             )
         for no in refused:
             print(f"not republished: conference {no['conference_id']}: {no['why'].strip()}")
+    if args.metrics_file:
+        from reaper import metrics
+        from reaper.errors import describe
+
+        try:
+            metrics.write_reconcile(args.metrics_file, verdict)
+        except OSError as exc:  # the verdict is printed; a file nobody can read is a failure
+            print(f"reaper: --metrics-file: {describe(exc)}", file=sys.stderr)
+            return 1
     return 0 if verdict.ok else EXIT_NOT_CLEAN
 
 

@@ -255,3 +255,9 @@ def test_the_metrics_file_counts_lost_events_per_end_reason(
     assert lost[("messenger_conf_reaper_reconcile_lost", (("end_reason", "EmptyTimeout"),))] == 1
     assert lost[("messenger_conf_reaper_reconcile_findings", (("category", "lost"),))] == 1
     assert lost[("messenger_conf_reaper_reconcile_closings", ())] == 3
+
+    # a file that cannot be written: the verdict printed, then one line, exit 1
+    nowhere = reconcile(env, "--since", "2h", "--metrics-file", str(tmp_path / "no" / "x.prom"))
+    assert nowhere.returncode == 1 and "lost 1" in nowhere.stdout, nowhere.stdout
+    [line] = plain_lines(nowhere.stderr)
+    assert line.startswith("reaper: --metrics-file: FileNotFoundError"), line
