@@ -55,13 +55,18 @@ RECOVERY_BOUNDS: dict[str, float] = {
 # The kinds drawn by default: every kind with a bound above.
 KINDS: tuple[str, ...] = tuple(RECOVERY_BOUNDS)
 
-# Kinds that start last in their episode. The campaign finds its targets (the
-# lock holder, a pool child, a run under way) and holds its rows and snapshots
-# through PostgreSQL: a fault injected while the server is down fails to go in
-# (seen in the first hour: rows_held, kill_child and terminate_lock_session
-# after restart_postgres in their episode, each verdict then unknown). Last,
-# the server goes down with every other fault of the episode already in force.
-LAST_IN_EPISODE = frozenset({"restart_postgres"})
+# Kinds that start last in their episode, by rank (the rest: 0). A fault that
+# takes a whole process down makes the episode's others impossible to inject
+# after it, so they go in first and it goes down under them:
+# - a worker killed or rolled (1): its pool children and its beat are gone
+#   until the heal starts it again (seen: kill_beat of worker a after
+#   kill_parent of a, "no beat of worker a");
+# - PostgreSQL restarted (2, the very last): the campaign finds every other
+#   fault's target (the lock holder, a run under way) and holds its rows and
+#   snapshots through it (seen in the first hour: rows_held, kill_child and
+#   terminate_lock_session after restart_postgres in their episode failed to
+#   go in, and one seed's verdict was unknown).
+LAST_IN_EPISODE: dict[str, int] = {"kill_parent": 1, "roll_worker": 1, "restart_postgres": 2}
 
 # Kinds aimed at one of the two workers (the plan names which).
 WORKER_KINDS = frozenset({"kill_parent", "kill_child", "kill_beat", "roll_worker"})

@@ -195,7 +195,8 @@ def draw(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS, *, plant: st
                 deck.insert(0, kind)  # later, not in this episode
                 continue
             chosen.append(kind)
-        chosen.sort(key=lambda kind: kind in LAST_IN_EPISODE)  # stable: the rest keep their order
+        # stable: the others keep the order they were dealt in
+        chosen.sort(key=lambda kind: LAST_IN_EPISODE.get(kind, 0))
         members: list[Fault] = []
         first_length = round(rng.uniform(*LENGTH_S), 1)
         # the others start while the first is in force (so they overlap it)
@@ -204,6 +205,10 @@ def draw(seed: int, minutes: float, kinds: tuple[str, ...] = KINDS, *, plant: st
         for i, (kind, offset) in enumerate(zip(chosen, offsets, strict=True)):
             length = first_length if i == 0 else round(rng.uniform(*LENGTH_S), 1)
             target = rng.choice(WORKERS) if kind in WORKER_KINDS else ""
+            if LAST_IN_EPISODE.get(kind) == 1 and any(
+                LAST_IN_EPISODE.get(m.kind) == 1 and m.target == target for m in members
+            ):  # a worker already down in this episode: the other one goes down too
+                target = next(w for w in WORKERS if w != target)
             members.append(Fault(kind, round(t + offset, 1), length, target, episode))
         end = max(f.end for f in members) + calm_after(members)
         if end + COOL_DOWN_S > total and faults:
