@@ -176,6 +176,20 @@ class Reaper:
             finished = self.runs.finish(run_id)
         except SQLAlchemyError as exc:  # the run stays open: taken over after its lease
             return self._failed(run_id, describe(exc))
+        if finished is None:  # no such run: as a run taken over, this cycle's end is lost
+            now = utcnow()
+            result = unowned_result(run_id, now, skipped=False)
+            self.bus.emit(
+                CycleCompleted(
+                    run_id=run_id,
+                    result=result,
+                    errors=1,
+                    started_at=now,
+                    finished_at=now,
+                    lost=True,
+                )
+            )
+            return result
         result = finished.result()
         self.bus.emit(
             CycleCompleted(

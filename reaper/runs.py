@@ -386,16 +386,17 @@ class Runs:
         except SQLAlchemyError:
             return None
 
-    def finish(self, run_id: str) -> Finished:
+    def finish(self, run_id: str) -> Finished | None:
         """Close the run (its own end) and read its totals; ``lost`` when another
-        cycle had taken it over."""
+        cycle had taken it over; None when there is no such run (a chain's last
+        link delivered after its run was deleted, KEEP_FINISHED after its end)."""
         with transaction(self.engine, budgets.quick(self.settings)) as queries:
             row = queries.close_run(run_id)
             lost = row is None
             if row is None:
                 row = queries.run_state(run_id)
                 if row is None:
-                    raise ValueError(f"no run {run_id}")
+                    return None
             queries.delete_old_runs(KEEP_FINISHED.total_seconds())
         return Finished(
             run_id=row.run_id,
