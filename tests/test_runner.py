@@ -122,10 +122,17 @@ def test_a_thread_that_fails_fails_its_test(tmp_path):
             """
         )
     )
-    done = subprocess.run(
+    done = pytest_run(tmp_path, "-p", "no:cacheprovider", "-q", str(suite))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 failed" in done.stdout and "a thread's assert" in done.stdout, done.stdout
+
+
+def pytest_run(rootdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """pytest in a process of its own, with this project's settings, on ``rootdir``."""
+    return subprocess.run(
         [
             *(sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")),
-            *("--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-q", str(suite)),
+            *("--rootdir", str(rootdir), *args),
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -133,8 +140,6 @@ def test_a_thread_that_fails_fails_its_test(tmp_path):
         text=True,
         timeout=120,
     )
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "1 failed" in done.stdout and "a thread's assert" in done.stdout, done.stdout
 
 
 def started_order(tmp_path: Path, *dist: str) -> list[str]:
@@ -152,17 +157,17 @@ def started_order(tmp_path: Path, *dist: str) -> list[str]:
     ):
         body = "".join(f"\ndef test_{name}{i}():\n    ran('{name}{i}', 0)\n" for i in range(tests))
         (suite / f"test_{name}.py").write_text(f"{header}\n{mark}\n{body}")
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml")),
-            *("--rootdir", str(out), "-p", "tests.support.runner", "-p", "no:cacheprovider"),
-            *("-n", "1", *dist, "-q", str(suite)),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = pytest_run(
+        out,
+        "-p",
+        "tests.support.runner",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "1",
+        *dist,
+        "-q",
+        str(suite),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     spans = {p.name: float(p.read_text().split()[0]) for p in out.iterdir() if p.is_file()}
